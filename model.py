@@ -1,0 +1,220 @@
+"""A Llama-family transformer with a static, pre-allocated KV cache.
+
+The rotary embedding works on interleaved pairs (x0, x1), (x2, x3), ... as in Meta's original
+Llama code and in GGUF files; Hugging Face checkpoints store q/k rows in a "half-split" order,
+which scripts/convert_hf_checkpoint.py permutes into this one.
+"""
+import json
+import math
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layer: int
+    n_head: int
+    intermediate_size: int
+    vocab_size: int
+    n_kv_heads: int | None = None  # None: same as n_head (no GQA)
+    head_dim: int | None = None  # None: dim // n_head
+    block_size: int = 2048  # maximum number of positions
+    rope_base: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias also sets the next one)
+    attention_out_bias: bool = False  # bias on the attention output projection
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_head
+        if self.head_dim is None:
+            if self.dim % self.n_head:
+                raise ValueError(f"config: dim {self.dim} is not divisible by n_head {self.n_head}; give head_dim")
+            self.head_dim = self.dim // self.n_head
+        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_heads:
+            raise ValueError(f"config: n_head {self.n_head} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"config: head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
+            raise ValueError(f"config: unsupported rope_scaling {self.rope_scaling!r} (only 'llama3' is supported)")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelArgs":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config {path} is not valid JSON: {e}") from None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config {path}: unknown fields {unknown}")
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"config {path}: missing fields {missing}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2)
+
+
+class KVCache(nn.Module):
+    """Keys and values of every position, stored per KV head (before GQA expansion)."""
+
+    def __init__(self, max_batch_size, max_seq_length, n_kv_heads, head_dim, dtype):
+        super().__init__()
+        shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # k, v: [B, H_kv, S, D] written at positions input_pos [S]; returns the whole cache
+        batch = k.shape[0]
+        self.k_cache[:batch, :, input_pos] = k
+        self.v_cache[:batch, :, input_pos] = v
+        return self.k_cache[:batch], self.v_cache[:batch]
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        # With tied embeddings the output projection reuses tok_embeddings.weight and has no weight of its own.
+        self.output = None if config.tie_word_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.max_batch_size = -1
+        self.max_seq_length = -1
+
+    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype: torch.dtype | None = None):
+        if max_seq_length > self.config.block_size:
+            raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's block_size {self.config.block_size}")
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        device = self.tok_embeddings.weight.device
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        c = self.config
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_kv_heads, c.head_dim, dtype).to(device)
+        freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
+        # idx: [B, S] token ids at positions input_pos [S]; returns logits [B, S, vocab] in float32
+        assert self.max_seq_length > 0, "call setup_caches() first"
+        # Query at position p sees cache slots 0..p; later slots hold stale or zero entries.
+        mask = input_pos[:, None] >= torch.arange(self.max_seq_length, device=idx.device)  # [S, max_seq]
+        freqs_cis = self.freqs_cis[input_pos]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, input_pos, freqs_cis, mask)
+        x = self.norm(x)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(x, weight).float()
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), input_pos, freqs_cis, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.n_kv_heads, config.head_dim
+        qkv_size = (config.n_head + 2 * config.n_kv_heads) * config.head_dim
+        # q, k and v projections fused into one matrix: one matmul per layer instead of three.
+        self.wqkv = nn.Linear(config.dim, qkv_size, bias=config.attention_bias)
+        self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=config.attention_out_bias)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Tensor) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
+        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_heads)
+        y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 as the reference does, whatever the weights' dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context / wavelen - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, interpolated)
+    return torch.where(wavelen < old_context / high, inv_freq, scaled)
+
+
+def precompute_freqs_cis(seq_len: int, head_dim: int, base: float, scaling: dict | None) -> Tensor:
+    # Returns [seq_len, head_dim // 2, 2] holding (cos, sin) of each position's angle for each pair.
+    inv_freq = rope_inv_freq(head_dim, base, scaling).float()
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
+    # x: [B, S, H, D]; rotates each interleaved pair (x[2i], x[2i+1]) by its position's angle.
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, S, H, D/2, 2]
+    fc = freqs_cis.view(1, xp.shape[1], 1, xp.shape[3], 2)
+    out = torch.stack(
+        [xp[..., 0] * fc[..., 0] - xp[..., 1] * fc[..., 1], xp[..., 1] * fc[..., 0] + xp[..., 0] * fc[..., 1]], dim=-1
+    )
+    return out.flatten(3).type_as(x)

@@ -1,0 +1,101 @@
+"""The model against transformers: logits, the KV cache, greedy generation; and config validation."""
+import json
+
+import pytest
+import torch
+from conftest import make_hf_llama
+from convert_hf_checkpoint import convert_hf_checkpoint
+
+from generate import generate, load_model
+from model import ModelArgs
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}  # fmt: skip
+CONFIGS = {
+    "mha": {},
+    "gqa": {"num_key_value_heads": 2},
+    "mqa": {"num_key_value_heads": 1},
+    "head_dim_not_dim_over_heads": {"num_key_value_heads": 2, "head_dim": 24},
+    "attention_bias": {"attention_bias": True},
+    "tied_embeddings": {"tie_word_embeddings": True},
+    "llama3_rope_scaling": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    "everything": {
+        "num_key_value_heads": 2, "head_dim": 40, "attention_bias": True, "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
+    },
+}  # fmt: skip
+
+
+def convert(tmp_path, tokenizer_json, **overrides):
+    hf_dir, out = tmp_path / "hf", tmp_path / "ours"
+    hf = make_hf_llama(hf_dir, tokenizer_json, **overrides)
+    convert_hf_checkpoint(hf_dir, out)
+    return hf, load_model(out / "model.pth")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_matches_transformers(tmp_path, tiny_tokenizer_json, name):
+    hf, model = convert(tmp_path, tiny_tokenizer_json, **CONFIGS[name])
+    torch.manual_seed(1)
+    x = torch.randint(0, hf.config.vocab_size, (2, 48))
+    model.setup_caches(2, 64)
+    with torch.no_grad():
+        reference = hf(x).logits
+        full = model(x, torch.arange(48))
+        assert (full - reference).abs().max() < 1e-4
+        # Token by token through the KV cache gives the logits of the full-sequence forward.
+        model.setup_caches(2, 64)
+        stepwise = torch.cat([model(x[:, i : i + 1], torch.tensor([i])) for i in range(48)], dim=1)
+        assert (stepwise - full).abs().max() < 1e-4
+        # A chunked prefill (16 + 32 positions) too.
+        model.setup_caches(2, 64)
+        chunks = torch.cat([model(x[:, :16], torch.arange(16)), model(x[:, 16:], torch.arange(16, 48))], dim=1)
+        assert (chunks - full).abs().max() < 1e-4
+
+    prompt = torch.randint(0, hf.config.vocab_size, (7,))
+    ours = generate(model, prompt, 32).tokens[0]
+    theirs = hf.generate(prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours == theirs[0, 7:].tolist()
+    assert len(set(ours)) >= 4, "degenerate output makes the comparison weak"
+
+
+def test_qwen2_biases(tmp_path, tiny_tokenizer_json):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf, model = convert(tmp_path, tiny_tokenizer_json, model_cls=Qwen2ForCausalLM, config_cls=Qwen2Config, num_key_value_heads=2)
+    assert model.config.attention_bias and not model.config.attention_out_bias
+    x = torch.randint(0, hf.config.vocab_size, (1, 20))
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        assert (model(x, torch.arange(20)) - hf(x).logits).abs().max() < 1e-4
+
+
+def test_generate_stops_at_eos(tiny_checkpoint):
+    model = load_model(tiny_checkpoint)
+    prompt = torch.tensor([5, 6, 7])
+    free = generate(model, prompt, 20).tokens[0]
+    eos = free[5]
+    stopped = generate(model, prompt, 20, eos_ids=[eos]).tokens[0]
+    assert stopped == free[: free.index(eos)]
+
+
+def test_config_validation(tmp_path):
+    base = dict(dim=64, n_layer=2, n_head=4, intermediate_size=96, vocab_size=100)
+    path = tmp_path / "config.json"
+    cases = {
+        "not divisible by n_kv_heads": {**base, "n_kv_heads": 3},
+        "missing fields ['vocab_size']": {k: v for k, v in base.items() if k != "vocab_size"},
+        "unknown fields ['hidden_size']": {**base, "hidden_size": 64},
+        "n_layer must be a positive integer": {**base, "n_layer": 0},
+        "unsupported rope_scaling": {**base, "rope_scaling": {"rope_type": "yarn"}},
+    }
+    for message, config in cases.items():
+        path.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            ModelArgs.from_json(path)
+    with pytest.raises(FileNotFoundError):
+        ModelArgs.from_json(tmp_path / "absent.json")
+    path.write_text(json.dumps({**base, "head_dim": 24}))
+    assert ModelArgs.from_json(path).head_dim == 24

@@ -1,0 +1,178 @@
+"""One small tokenizer interface over SentencePiece, tiktoken (Llama 3) and Hugging Face tokenizer.json.
+
+    tok = load_tokenizer(checkpoint_dir)
+    ids = tok.encode("Hello")            # with the model's BOS where it uses one
+    text = tok.decode(ids)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+Special ids and the chat template come from tokenizer_config.json / generation_config.json /
+chat_template.jinja beside the tokenizer, as Hugging Face writes them.
+"""
+import base64
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Llama 3's pre-tokenizer split pattern and its special tokens (the file holds only the 128000 merges).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NAMED_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+
+
+@dataclass
+class Tokenizer:
+    """encode/decode functions plus the special ids and chat template of one model."""
+
+    encode_fn: object  # (text, bos) -> list[int]
+    decode_fn: object  # list[int] -> str
+    token_to_id: object  # str -> int | None
+    bos_id: int | None
+    eos_ids: list[int]
+    chat_template: str | None = None
+    special_tokens: dict = field(default_factory=dict)  # e.g. {"bos_token": "<s>"} for the template
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return self.encode_fn(text, bos)
+
+    def decode(self, ids) -> str:
+        return self.decode_fn(list(ids))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Renders messages as transformers' apply_chat_template(tokenize=False) does."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
+        )
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes any BOS itself.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)
+
+
+def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
+    folder = Path(checkpoint_dir)
+    config = read_json(folder / "tokenizer_config.json")
+    if (folder / "tokenizer.json").is_file():
+        tok = hf_tokenizer(folder / "tokenizer.json", config)
+    elif (folder / "tokenizer.model").is_file():
+        path = folder / "tokenizer.model"
+        tok = tiktoken_tokenizer(path) if is_tiktoken_file(path) else sentencepiece_tokenizer(path)
+    else:
+        raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {folder}")
+    # tokenizer_config.json and generation_config.json, where present, name the special tokens.
+    specials = {k: token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    specials = {k: v for k, v in specials.items() if v is not None}
+    if "bos_token" in specials:
+        tok.bos_id = tok.token_to_id(specials["bos_token"])
+    eos_ids = list(tok.eos_ids)
+    if "eos_token" in specials and tok.token_to_id(specials["eos_token"]) is not None:
+        eos_ids.append(tok.token_to_id(specials["eos_token"]))
+    generation_eos = read_json(folder / "generation_config.json").get("eos_token_id")
+    if generation_eos is not None:
+        eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    tok.eos_ids = sorted(set(eos_ids))
+    tok.special_tokens = specials
+    template_file = folder / "chat_template.jinja"
+    tok.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+    return tok
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def token_content(token) -> str | None:
+    # tokenizer_config.json writes a special token either as a string or as {"content": ...}.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def is_tiktoken_file(path: Path) -> bool:
+    # A tiktoken BPE file is text lines "<base64 token> <rank>"; a SentencePiece model is a binary protobuf.
+    with open(path, "rb") as f:
+        first_line = f.readline().split()
+    try:
+        return len(first_line) == 2 and bool(base64.b64decode(first_line[0], validate=True)) and first_line[1].isdigit()
+    except ValueError:
+        return False
+
+
+def hf_tokenizer(path: Path, config: dict) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(path))
+    # The post-processor decides whether BOS is added, as in transformers.
+    return Tokenizer(
+        encode_fn=lambda text, bos: tok.encode(text, add_special_tokens=bos).ids,
+        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        token_to_id=tok.token_to_id,
+        bos_id=None,
+        eos_ids=[],
+    )
+
+
+def sentencepiece_tokenizer(path: Path) -> Tokenizer:
+    import sentencepiece
+
+    try:
+        sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except Exception as e:
+        raise ValueError(f"{path} is neither a SentencePiece model nor a tiktoken BPE file ({e})") from None
+    bos = sp.bos_id() if sp.bos_id() >= 0 else None
+
+    def token_to_id(piece):
+        i = sp.piece_to_id(piece)
+        return None if i == sp.unk_id() and piece != sp.id_to_piece(sp.unk_id()) else i
+
+    return Tokenizer(
+        encode_fn=lambda text, add_bos: ([bos] if add_bos and bos is not None else []) + sp.encode(text),
+        decode_fn=sp.decode,
+        token_to_id=token_to_id,
+        bos_id=bos,
+        eos_ids=[sp.eos_id()] if sp.eos_id() >= 0 else [],
+    )
+
+
+def tiktoken_tokenizer(path: Path) -> Tokenizer:
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(path))
+    names = LLAMA3_NAMED_SPECIAL_TOKENS + [
+        f"<|reserved_special_token_{i}|>" for i in range(2, LLAMA3_NUM_SPECIAL_TOKENS - len(LLAMA3_NAMED_SPECIAL_TOKENS) + 2)
+    ]
+    special = {name: len(ranks) + i for i, name in enumerate(names)}
+    enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+    bos = special["<|begin_of_text|>"]
+    # Special tokens in the text are encoded as such, as chat templates need.
+    return Tokenizer(
+        encode_fn=lambda text, add_bos: ([bos] if add_bos else []) + enc.encode(text, allowed_special="all"),
+        decode_fn=enc.decode,
+        token_to_id=lambda s: special.get(s, ranks.get(s.encode())),
+        bos_id=bos,
+        eos_ids=[special["<|end_of_text|>"], special["<|eot_id|>"]],
+    )
