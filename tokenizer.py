@@ -78,7 +78,7 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     folder = Path(checkpoint_dir)
     config = read_json(folder / "tokenizer_config.json")
     if (folder / "tokenizer.json").is_file():
-        tok = hf_tokenizer(folder / "tokenizer.json", config)
+        tok = hf_tokenizer(folder / "tokenizer.json")
     elif (folder / "tokenizer.model").is_file():
         path = folder / "tokenizer.model"
         tok = tiktoken_tokenizer(path) if is_tiktoken_file(path) else sentencepiece_tokenizer(path)
@@ -121,7 +121,7 @@ def is_tiktoken_file(path: Path) -> bool:
         return False
 
 
-def hf_tokenizer(path: Path, config: dict) -> Tokenizer:
+def hf_tokenizer(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     tok = HFTokenizer.from_file(str(path))
