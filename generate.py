@@ -298,9 +298,9 @@ def run(args):
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    steps = compile_steps(args.device) if args.compile else (prefill, decode_one_token)
-    prefill_fn = steps[0] if args.compile_prefill else prefill
-    decode_fn = steps[1]
+    compiled_prefill, compiled_decode = compile_steps(args.device)  # compiles lazily, on first use
+    prefill_fn = compiled_prefill if args.compile_prefill else prefill
+    decode_fn = compiled_decode if args.compile else decode_one_token
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_ids=tokenizer.eos_ids)
 
     def run_once(prompt_ids, max_new_tokens, callback=None):
@@ -327,7 +327,7 @@ def run(args):
     prompt_ids = tokenizer.encode(args.prompt)
     ensure_caches(model, args.batch_size, len(prompt_ids), args.max_new_tokens)  # the warm-up's too
     compile_time = None
-    if args.compile:
+    if args.compile or args.compile_prefill:
         t0 = time.perf_counter()
         run_once(prompt_ids, min(args.max_new_tokens, 2 * EOS_CHECK_INTERVAL))
         compile_time = time.perf_counter() - t0
