@@ -1,10 +1,13 @@
 """Generate text with a Llama-family checkpoint.
 
     python generate.py --prompt "The capital of France is" --max_new_tokens 64
+    python generate.py --prompt "Once upon a time" --prompt "def fib(n):" --temperature 0 --json
     python generate.py --checkpoint_path checkpoints/NAME/model.pth --compile --temperature 0.8 --top_p 0.95
+    python generate.py --interactive            # a conversation kept in the KV cache
 
-The decode step runs as one static-shape function (optionally torch.compile'd); sampling stays on the
-device, and the host looks at the tokens only to stream them or, every few steps, to check for EOS.
+The decode step runs as one static-shape function (optionally torch.compile'd). Sampling runs on the
+device inside that step, with its settings passed as tensors, so new values never recompile it. The
+host looks at the tokens only to stream them or, every few steps, to check whether every row is done.
 """
 import argparse
 import contextlib
@@ -12,7 +15,7 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,90 +26,120 @@ from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EOS_CHECK_INTERVAL = 8  # decode steps between host checks for "every row has produced EOS"
-INTERACTIVE_CACHE_LENGTH = 2048
+CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
+CHAT_CACHE_LENGTH = 2048  # KV cache positions of an interactive conversation (capped by block_size)
 
 
-# ---------------------------------------------------------------- sampling (all on the device)
+# ---------------------------------------------------------------- sampling (on the device)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_p: float = 0.0  # 0: off; drop tokens less likely than min_p x the most likely one
+    repetition_penalty: float = 1.0  # 1: off; divides positive logits of tokens seen (prompt and output)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of each token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence of a generated token
+    seed: int | None = None  # a torch.Generator of this seed; None: torch's global generator
+    logprobs: int | None = None  # report the chosen token's log-probability and this many top alternatives
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
-def logits_to_probs(logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    # logits: [..., V] -> probabilities after temperature, then top-k, then top-p (the order transformers uses)
+KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def sampler_state(params: SamplingParams, rows: list[list[int]], vocab_size: int, device) -> dict:
+    """The tensors the sampling step reads: the settings, and per row the tokens seen so far."""
+    state = {k: torch.tensor(getattr(params, k), dtype=torch.float32, device=device) for k in KNOBS}
+    batch = len(rows)
+    state["seen"] = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)  # prompt and output
+    for b, row in enumerate(rows):
+        state["seen"][b, torch.tensor(row, dtype=torch.long, device=device)] = True
+    state["counts"] = torch.zeros(batch, vocab_size, device=device)  # occurrences in the output
+    state["noise"] = torch.ones(batch, vocab_size, device=device)  # Exp(1) draws, refilled per step
+    return state
+
+
+def record_token(state: dict, token: Tensor):
+    # token: [B, 1], the token each row just produced
+    state["seen"].scatter_(1, token, True)
+    state["counts"].scatter_add_(1, token, torch.ones_like(token, dtype=state["counts"].dtype))
+
+
+def apply_penalties(logits: Tensor, s: dict) -> Tensor:
+    # Repetition penalty as in transformers (CTRL paper), presence/frequency as in OpenAI's API.
+    penalized = torch.where(logits > 0, logits / s["repetition_penalty"], logits * s["repetition_penalty"])
+    logits = torch.where(s["seen"], penalized, logits)
+    return logits - s["frequency_penalty"] * s["counts"] - s["presence_penalty"] * (s["counts"] > 0)
+
+
+def logits_to_probs(logits: Tensor, temperature, top_k, top_p, min_p) -> Tensor:
+    """[B, V] logits -> probabilities after temperature, top-k, top-p and min-p (transformers' order).
+
+    The settings are tensors (0-d or [B, 1]); one sort of the vocabulary serves all three filters."""
     logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token while the tokens ranked above it hold less than top_p of the mass.
-        remove = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
-        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)
+    remove = rank >= torch.where(top_k > 0, top_k, vocab)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # top-p: keep a token while the tokens ranked above it hold less than top_p of the mass.
+    remove = remove | (((sorted_probs.cumsum(-1) - sorted_probs) >= top_p) & (top_p < 1))
+    remove = remove | (sorted_probs < min_p * sorted_probs[..., :1])
+    logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
-def multinomial_sample_one(probs: Tensor) -> Tensor:
-    # argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p, without torch.multinomial's host sync.
-    noise = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / noise, dim=-1, keepdim=True)
-
-
-def sample(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    # logits: [B, S, V] -> next token [B, 1] from the last position
-    last = logits[:, -1]
-    if temperature == 0:
-        return torch.argmax(last, dim=-1, keepdim=True)
-    return multinomial_sample_one(logits_to_probs(last, temperature, top_k, top_p))
+def sample(logits: Tensor, s: dict, greedy: bool, n_logprobs: int | None):
+    """[B, V] logits -> next token [B, 1], and (chosen log-prob [B, 1], top values [B, n], top ids [B, n]) or None."""
+    processed = apply_penalties(logits, s)
+    if greedy:
+        token = torch.argmax(processed, dim=-1, keepdim=True)
+    else:
+        probs = logits_to_probs(processed, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+        # argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p, without torch.multinomial's host sync.
+        token = torch.argmax(probs / s["noise"], dim=-1, keepdim=True)
+    if n_logprobs is None:
+        return token, None
+    logprobs = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
+    top = torch.topk(logprobs, n_logprobs, dim=-1)
+    return token, (logprobs.gather(-1, token), top.values, top.indices)
 
 
 # ---------------------------------------------------------------- the model steps
 
 
-def prefill(model: Transformer, x: Tensor, input_pos: Tensor, **sampling) -> Tensor:
-    # x: [B, S] prompt at positions input_pos [S] -> first new token [B, 1]
-    return sample(model(x, input_pos), **sampling)
+def prefill(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: dict, greedy: bool, n_logprobs: int | None):
+    # x: [B, S] prompts in cache slots input_pos [S] -> first new token [B, 1] (and its log-probs)
+    return sample(model(x, input_pos, left_pad)[:, -1], s, greedy, n_logprobs)
 
 
-def decode_one_token(model: Transformer, x: Tensor, input_pos: Tensor, **sampling) -> Tensor:
-    # x: [B, 1] at position input_pos [1] -> next token [B, 1]
-    return sample(model(x, input_pos), **sampling)
+def decode_one_token(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: dict, greedy: bool, n_logprobs: int | None):
+    # x: [B, 1] in slot input_pos [1] -> next token [B, 1] (and its log-probs)
+    return sample(model(x, input_pos, left_pad)[:, -1], s, greedy, n_logprobs)
 
 
-def decode_n_tokens(
-    model, cur_token, input_pos, num_new_tokens, *, decode_fn=decode_one_token, eos_ids=(), callback=None, **sampling
-) -> list[Tensor]:
-    """Decodes up to num_new_tokens tokens after cur_token [B, 1]; stops early once every row has hit EOS."""
-    eos = torch.tensor(list(eos_ids), device=cur_token.device)
-    finished = torch.zeros(cur_token.shape[0], dtype=torch.bool, device=cur_token.device)
-    new_tokens = []
-    for step in range(1, num_new_tokens + 1):
-        next_token = decode_fn(model, cur_token, input_pos, **sampling)
-        input_pos += 1
-        # A copy: CUDA graphs reuse the output buffer on the next call.
-        cur_token = next_token.clone()
-        new_tokens.append(cur_token)
-        if callback is not None:
-            callback(cur_token)
-        if len(eos):
-            finished |= torch.isin(cur_token[:, 0], eos)
-            if step % EOS_CHECK_INTERVAL == 0 and bool(finished.all()):
-                break
-    return new_tokens
-
-
-def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_tokens: int):
-    """Checks the request fits the model and sets up KV caches unless ones of the right size exist."""
-    if prompt_len == 0:
-        raise ValueError("the prompt is empty and the tokenizer adds no BOS token to start from")
+def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False):
+    """Checks the request fits the model; sets up KV caches unless big enough ones exist (or keep is set)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     needed = prompt_len + max_new_tokens
@@ -116,17 +149,139 @@ def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_
             f"block_size ({model.config.block_size})"
         )
     # Reusing caches keeps the compiled decode step's shapes, so it does not recompile.
-    if model.max_seq_length < needed or model.max_batch_size != batch_size:
-        model.setup_caches(batch_size, needed)
+    if model.max_seq_length >= needed and model.max_batch_size >= batch_size:
+        return
+    if keep:
+        raise ValueError(
+            f"{batch_size} rows of {needed} positions do not fit the KV cache "
+            f"({model.max_batch_size} rows of {model.max_seq_length})"
+        )
+    model.setup_caches(batch_size, needed)
+
+
+def token_steps(model, rows, max_new_tokens, params: SamplingParams, *, start_pos=0, pad_id=0, prefill_fn=prefill, decode_fn=decode_one_token):
+    """Yields (token [B, 1], log-probs or None) per new token: the first from the prefill, then one per decode step.
+
+    Rows of different lengths are left-padded; the mask hides the padding and each row's rotary positions
+    start at its first real token. start_pos > 0 continues a sequence whose first start_pos positions
+    are in the cache already (batch 1)."""
+    device = model.tok_embeddings.weight.device
+    lengths = [len(row) for row in rows]
+    width = max(lengths)
+    if start_pos and len(rows) > 1:
+        raise ValueError("continuing from cached positions (start_pos > 0) works for one row only")
+    ensure_caches(model, len(rows), start_pos + width, max_new_tokens, keep=start_pos > 0)
+    x = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    for b, row in enumerate(rows):
+        x[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+    left_pad = torch.tensor([width - n for n in lengths], device=device)
+    s = sampler_state(params, rows, model.config.vocab_size, device)
+    generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+    steps = dict(greedy=params.greedy, n_logprobs=params.logprobs)
+
+    def refill_noise():
+        if not params.greedy:
+            s["noise"].exponential_(generator=generator)
+
+    refill_noise()
+    token, logprobs = prefill_fn(model, x, torch.arange(start_pos, start_pos + width, device=device), left_pad, s, **steps)
+    yield token, logprobs
+    input_pos = torch.tensor([start_pos + width], device=device)
+    for _ in range(max_new_tokens - 1):
+        record_token(s, token)
+        refill_noise()
+        token, logprobs = decode_fn(model, token, input_pos, left_pad, s, **steps)
+        # Copies: CUDA graphs reuse their output buffers on the next call.
+        token = token.clone()
+        logprobs = None if logprobs is None else tuple(t.clone() for t in logprobs)
+        input_pos += 1
+        yield token, logprobs
+
+
+# ---------------------------------------------------------------- generation
 
 
 @dataclass
 class Generation:
-    tokens: list[list[int]]  # new tokens per row, up to and excluding the first EOS
-    prompt_tokens: int
+    tokens: list[list[int]]  # new tokens per row: up to EOS (excluded) or through the token completing a stop string
+    texts: list[str] | None  # per row, ending before any stop string (None without a tokenizer)
+    finish_reasons: list[str]  # per row: "eos", "stop" or "length"
+    logprobs: list[list[dict]] | None  # per row, per token: {"token", "logprob", "top": [[id, logprob], ...]}
+    prompt_tokens: list[int]  # positions prefilled per row (padding excluded)
     decode_steps: int  # decode steps run (a row that finished early still took part in them)
     time_to_first_token_s: float
     decode_time_s: float
+    raw_tokens: list[list[int]] = field(repr=False, default_factory=list)  # every token produced per row
+
+
+def check_prompts(prompts) -> list[list[int]]:
+    """One prompt (a list of ids or a 1-D tensor) or a list of them -> a list of id lists."""
+    if isinstance(prompts, Tensor):
+        prompts = prompts.tolist()
+    if len(prompts) == 0:
+        raise ValueError("the prompt list is empty")
+    rows = [prompts] if isinstance(prompts[0], int) else [list(p.tolist() if isinstance(p, Tensor) else p) for p in prompts]
+    if any(len(row) == 0 for row in rows):
+        raise ValueError("a prompt is empty and the tokenizer adds no BOS token to start from")
+    return rows
+
+
+def check_stop(stop, tokenizer) -> list[str]:
+    stop = list(stop)
+    if any(s == "" for s in stop):
+        raise ValueError("a stop string is empty")
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer (tokenizer=...)")
+    return stop
+
+
+def find_stop(text: str, stop: list[str]) -> int:
+    """Index of the earliest stop string in text, or -1."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def finish_row(raw: list[int], eos_ids, stop: list[str], tokenizer: Tokenizer | None):
+    """A row's produced tokens -> (tokens, text, finish reason), cut at the first EOS or stop string."""
+    eos = set(eos_ids)
+    end = next((i for i, t in enumerate(raw) if t in eos), None)
+    tokens, reason = (raw, "length") if end is None else (raw[:end], "eos")
+    if tokenizer is None:
+        return tokens, None, reason
+    text = tokenizer.decode(tokens)
+    cut = find_stop(text, stop)
+    if cut < 0:
+        return tokens, text, reason
+    # Keep the tokens through the one that completes the stop string; the text ends before it.
+    n = next(n for n in range(1, len(tokens) + 1) if find_stop(tokenizer.decode(tokens[:n]), stop) >= 0)
+    return tokens[:n], text[:cut], "stop"
+
+
+def collect(raw_rows, logprob_steps, prompt_rows, eos_ids, stop, tokenizer, ttft, decode_time) -> Generation:
+    rows = [finish_row(raw, eos_ids, stop, tokenizer) for raw in raw_rows]
+    logprobs = None
+    if logprob_steps and logprob_steps[0] is not None:
+        chosen = torch.cat([lp[0] for lp in logprob_steps], dim=1).tolist()  # [B, steps]
+        top_values = torch.stack([lp[1] for lp in logprob_steps], dim=1).tolist()  # [B, steps, n]
+        top_ids = torch.stack([lp[2] for lp in logprob_steps], dim=1).tolist()
+        logprobs = [
+            [
+                {"token": t, "logprob": chosen[b][i], "top": [list(p) for p in zip(top_ids[b][i], top_values[b][i])]}
+                for i, t in enumerate(tokens)
+            ]
+            for b, (tokens, _, _) in enumerate(rows)
+        ]
+    return Generation(
+        tokens=[r[0] for r in rows],
+        texts=None if tokenizer is None else [r[1] for r in rows],
+        finish_reasons=[r[2] for r in rows],
+        logprobs=logprobs,
+        prompt_tokens=[len(p) for p in prompt_rows],
+        decode_steps=len(raw_rows[0]) - 1,
+        time_to_first_token_s=ttft,
+        decode_time_s=decode_time,
+        raw_tokens=raw_rows,
+    )
 
 
 def synchronize(device: torch.device):
@@ -137,44 +292,187 @@ def synchronize(device: torch.device):
 @torch.no_grad()
 def generate(
     model: Transformer,
-    prompt_tokens: Tensor | list[int],
+    prompts,
     max_new_tokens: int,
     *,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    sampling: SamplingParams | None = None,
     eos_ids=(),
-    callback=None,
+    stop=(),
+    tokenizer: Tokenizer | None = None,
     batch_size: int = 1,
+    pad_id: int = 0,
+    callback=None,
     prefill_fn=prefill,
     decode_fn=decode_one_token,
+    **sampling_kwargs,
 ) -> Generation:
-    """Continues prompt_tokens [S] (repeated batch_size times) by up to max_new_tokens tokens."""
-    check_sampling(temperature, top_k, top_p)
+    """Continues each prompt (token ids; one prompt or a list, each repeated batch_size times) in one batch.
+
+    Every row stops at its first EOS or stop string (matched on decoded text, which needs tokenizer)
+    or after max_new_tokens. sampling_kwargs (temperature=..., top_p=...) build a SamplingParams."""
+    params = sampling or SamplingParams(**sampling_kwargs)
+    rows = check_prompts(prompts) * batch_size
+    stop = check_stop(stop, tokenizer)
     device = model.tok_embeddings.weight.device
-    prompt = torch.as_tensor(prompt_tokens, dtype=torch.long, device=device).view(-1)
-    prompt_len = prompt.numel()
-    ensure_caches(model, batch_size, prompt_len, max_new_tokens)
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    steps = token_steps(model, rows, max_new_tokens, params, pad_id=pad_id, prefill_fn=prefill_fn, decode_fn=decode_fn)
 
     synchronize(device)
     start = time.perf_counter()
-    x = prompt.repeat(batch_size, 1)
-    first = prefill_fn(model, x, torch.arange(prompt_len, device=device), **sampling).clone()
-    if callback is not None:
-        callback(first)
-    synchronize(device)
-    time_to_first_token = time.perf_counter() - start
+    tokens, logprobs = [], []
+    finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
+    for step, (token, lp) in enumerate(steps, start=1):
+        if step == 1:
+            synchronize(device)
+            ttft = time.perf_counter() - start
+        tokens.append(token)
+        logprobs.append(lp)
+        if callback is not None:
+            callback(token)
+        finished |= torch.isin(token[:, 0], eos)
+        if step % CHECK_INTERVAL == 0:
+            if stop:  # rows whose text so far holds a stop string are done too
+                so_far = torch.cat(tokens, dim=1).tolist()
+                done = [finish_row(row, eos_ids, stop, tokenizer)[2] != "length" for row in so_far]
+                finished |= torch.tensor(done, device=device)
+            if bool(finished.all()):
+                break
+    raw = torch.cat(tokens, dim=1).tolist()
+    decode_time = time.perf_counter() - start - ttft
+    return collect(raw, logprobs, rows, eos_ids, stop, tokenizer, ttft, decode_time)
 
-    input_pos = torch.tensor([prompt_len], device=device)
-    rest = decode_n_tokens(
-        model, first, input_pos, max_new_tokens - 1, decode_fn=decode_fn, eos_ids=eos_ids, callback=callback, **sampling
-    )
-    rows = torch.cat([first, *rest], dim=1).tolist()
-    decode_time = time.perf_counter() - start - time_to_first_token
-    eos = set(eos_ids)
-    trimmed = [row[: next((i for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
-    return Generation(trimmed, prompt_len, len(rest), time_to_first_token, decode_time)
+
+class IncrementalDecoder:
+    """Turns one row's tokens into text pieces; a character split across tokens comes out once complete.
+
+    Decodes a short window (from the token before the last emitted piece) so that tokenizers that
+    drop a leading space at the start of a decode, and multi-byte characters, come out right."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete character decodes as U+FFFD)."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        return self.tokenizer.decode(self.ids[self.prefix :])[len(before) :]
+
+
+@torch.no_grad()
+def stream(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    prompt,
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams | None = None,
+    stop=(),
+    start_pos: int = 0,
+    prefill_fn=prefill,
+    decode_fn=decode_one_token,
+    **sampling_kwargs,
+):
+    """Yields the continuation of one prompt (text, or token ids) as text pieces while it is generated.
+
+    The pieces join to exactly the final text: held back are an incomplete character and any tail that
+    could begin a stop string. The generator's return value (StopIteration.value) is the Generation."""
+    params = sampling or SamplingParams(**sampling_kwargs)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    (ids,) = check_prompts([ids])
+    stop = check_stop(stop, tokenizer)
+    hold = max((len(s) for s in stop), default=1) - 1
+    device = model.tok_embeddings.weight.device
+    steps = token_steps(model, [ids], max_new_tokens, params, start_pos=start_pos, prefill_fn=prefill_fn, decode_fn=decode_fn)
+    decoder, pending, raw, logprobs = IncrementalDecoder(tokenizer), "", [], []
+    start = time.perf_counter()
+    for token, lp in steps:
+        raw.append(int(token[0, 0]))  # waits for the device
+        if len(raw) == 1:
+            ttft = time.perf_counter() - start
+        logprobs.append(lp)
+        if raw[-1] in tokenizer.eos_ids:
+            break
+        pending += decoder.push(raw[-1])
+        cut = find_stop(pending, stop)
+        if cut >= 0:
+            pending = pending[:cut]
+            break
+        if len(pending) > hold:
+            yield pending[: len(pending) - hold]
+            pending = pending[len(pending) - hold :]
+    else:
+        pending += decoder.flush()
+    if pending:
+        yield pending
+    synchronize(device)
+    decode_time = time.perf_counter() - start - ttft
+    return collect([raw], logprobs, [ids], tokenizer.eos_ids, stop, tokenizer, ttft, decode_time)
+
+
+def drain(pieces, on_piece=None) -> Generation:
+    """Runs a stream() generator to its end, passing each piece to on_piece; returns its Generation."""
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as done:
+            return done.value
+        if on_piece is not None:
+            on_piece(piece)
+
+
+class Chat:
+    """A conversation kept in the KV cache: each turn prefills only the tokens not cached yet.
+
+    With a chat template, turns are rendered by it; without one, the conversation is its messages
+    joined by newlines. When a turn would not fit the cache, the oldest turns are dropped (the system
+    message stays) and dropped_turns counts them."""
+
+    def __init__(self, model, tokenizer, *, system=None, max_new_tokens=256, cache_length=CHAT_CACHE_LENGTH, **stream_kwargs):
+        self.model, self.tokenizer, self.max_new_tokens, self.stream_kwargs = model, tokenizer, max_new_tokens, stream_kwargs
+        model.setup_caches(1, min(cache_length, model.config.block_size))
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.reset()
+
+    def reset(self):
+        self.messages, self.cached, self.dropped_turns, self.last_prefill = [], [], 0, 0
+
+    def render(self, messages) -> list[int]:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat(self.system + messages)
+        return self.tokenizer.encode("\n".join(m["content"] for m in self.system + messages))
+
+    def send(self, text: str):
+        """Yields the reply's text pieces; returns its Generation (see drain)."""
+        self.messages.append({"role": "user", "content": text})
+        ids = self.render(self.messages)
+        while len(ids) + self.max_new_tokens > self.model.max_seq_length and len(self.messages) > 1:
+            self.messages = self.messages[2:]  # the oldest user message and its reply
+            self.dropped_turns += 1
+            ids = self.render(self.messages)
+        if len(ids) + self.max_new_tokens > self.model.max_seq_length:
+            self.messages.pop()
+            raise ValueError(
+                f"this message ({len(ids)} tokens) plus max_new_tokens ({self.max_new_tokens}) does not fit "
+                f"the {self.model.max_seq_length}-position cache"
+            )
+        common = 0
+        while common < min(len(ids) - 1, len(self.cached)) and ids[common] == self.cached[common]:
+            common += 1
+        self.last_prefill = len(ids) - common
+        pieces = stream(self.model, self.tokenizer, ids[common:], self.max_new_tokens, start_pos=common, **self.stream_kwargs)
+        result = yield from pieces
+        # Every produced token but the last was fed back, so its keys and values are in the cache.
+        self.cached = ids + result.raw_tokens[0][:-1]
+        self.messages.append({"role": "assistant", "content": result.texts[0]})
+        return result
 
 
 # ---------------------------------------------------------------- loading
@@ -233,35 +531,24 @@ def compile_steps(device: torch.device):
 # ---------------------------------------------------------------- command line
 
 
-class TextStream:
-    """Prints row 0's text as tokens arrive, holding back an incomplete multi-byte character."""
-
-    def __init__(self, tokenizer: Tokenizer, eos_ids):
-        self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
-        self.ids, self.printed, self.stopped = [], "", False
-
-    def __call__(self, token: Tensor):
-        t = int(token[0, 0])
-        self.stopped = self.stopped or t in self.eos_ids
-        if self.stopped:
-            return
-        self.ids.append(t)
-        text = self.tokenizer.decode(self.ids)
-        if not text.endswith("\ufffd"):
-            print(text[len(self.printed) :], end="", flush=True)
-            self.printed = text
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", default="Hello, my name is", help="text to continue")
-    p.add_argument("--interactive", action="store_true", help="read prompts from stdin, one a line")
+    p.add_argument("--prompt", action="append", help="text to continue; several --prompt make one batch")
+    p.add_argument("--prompts_file", type=Path, help="one prompt a line, all in one batch")
+    p.add_argument("--interactive", action="store_true", help="a conversation on stdin (chat template if any)")
+    p.add_argument("--system", default=None, help="system message for --interactive")
     p.add_argument("--num_samples", type=int, default=1, help="number of runs")
-    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate at most")
-    p.add_argument("--batch_size", type=int, default=1, help="rows generated together from the prompt")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate at most, per row")
+    p.add_argument("--batch_size", type=int, default=1, help="rows generated from each prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop string (may be given several times)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top_k", type=int, default=200, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
+    p.add_argument("--min_p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0: off)")
+    p.add_argument("--repetition_penalty", type=float, default=1.0, help="> 1 discourages repeats (1: off)")
+    p.add_argument("--presence_penalty", type=float, default=0.0, help="OpenAI presence penalty (0: off)")
+    p.add_argument("--frequency_penalty", type=float, default=0.0, help="OpenAI frequency penalty (0: off)")
+    p.add_argument("--logprobs", type=int, default=None, help="report log-probs of chosen tokens and N alternatives")
     p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth, or its folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
@@ -275,9 +562,15 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     try:
-        check_sampling(args.temperature, args.top_k, args.top_p)
+        args.sampling = SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
+        )  # fmt: skip
     except ValueError as e:
         p.error(str(e))
+    if "" in args.stop:
+        p.error("a stop string is empty")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -288,7 +581,49 @@ def parse_args(argv=None):
         p.error("--device cuda, but this PyTorch build or machine has no CUDA GPU")
     args.device = device
     args.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
+    if args.prompts_file is not None:
+        if not args.prompts_file.is_file():
+            p.error(f"--prompts_file {args.prompts_file} not found")
+        args.prompt = (args.prompt or []) + [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        if not args.prompt:
+            p.error(f"--prompts_file {args.prompts_file} holds no prompt")
+    args.prompt = args.prompt or ["Hello, my name is"]
     return args
+
+
+def print_piece(piece: str):
+    print(piece, end="", flush=True)
+
+
+def chat_loop(model, tokenizer, args, step_fns):
+    chat = Chat(
+        model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
+        stop=args.stop, **step_fns,
+    )  # fmt: skip
+    terminal = sys.stdin.isatty()
+    if terminal:
+        print("Conversation kept in the KV cache. /reset starts over; Ctrl-D ends.", file=sys.stderr)
+    while True:
+        if terminal:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if text == "/reset":
+            chat.reset()
+            continue
+        if not text:
+            continue
+        dropped = chat.dropped_turns
+        try:
+            drain(chat.send(text), print_piece)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print(flush=True)
+        if chat.dropped_turns > dropped:
+            print(f"[the conversation outgrew the cache: dropped its {chat.dropped_turns - dropped} oldest turn(s)]", file=sys.stderr)
 
 
 def run(args):
@@ -299,68 +634,64 @@ def run(args):
     if args.seed is not None:
         torch.manual_seed(args.seed)
     compiled_prefill, compiled_decode = compile_steps(args.device)  # compiles lazily, on first use
-    prefill_fn = compiled_prefill if args.compile_prefill else prefill
-    decode_fn = compiled_decode if args.compile else decode_one_token
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_ids=tokenizer.eos_ids)
-
-    def run_once(prompt_ids, max_new_tokens, callback=None):
-        return generate(
-            model, prompt_ids, max_new_tokens, batch_size=args.batch_size, callback=callback,
-            prefill_fn=prefill_fn, decode_fn=decode_fn, **sampling,
-        )  # fmt: skip
-
+    step_fns = dict(
+        prefill_fn=compiled_prefill if args.compile_prefill else prefill,
+        decode_fn=compiled_decode if args.compile else decode_one_token,
+    )
     if args.interactive:
-        model.setup_caches(args.batch_size, min(model.config.block_size, INTERACTIVE_CACHE_LENGTH))
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            text = line.rstrip("\n")
-            ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if tokenizer.chat_template else tokenizer.encode(text)
-            max_new = min(args.max_new_tokens, model.max_seq_length - len(ids))
-            if max_new < 1:
-                print(f"error: prompt of {len(ids)} tokens does not fit the {model.max_seq_length}-token cache", file=sys.stderr)
-                continue
-            run_once(ids, max_new, TextStream(tokenizer, tokenizer.eos_ids))
-            print(flush=True)
-        return
+        return chat_loop(model, tokenizer, args, step_fns)
 
-    prompt_ids = tokenizer.encode(args.prompt)
-    ensure_caches(model, args.batch_size, len(prompt_ids), args.max_new_tokens)  # the warm-up's too
+    prompts = [tokenizer.encode(p) for p in args.prompt]
+    check_prompts(prompts)
+    single = len(prompts) == 1 and args.batch_size == 1
+    options = dict(sampling=args.sampling, stop=args.stop, **step_fns)
+
+    def run_once(max_new_tokens, on_piece=None):
+        if single:
+            return drain(stream(model, tokenizer, prompts[0], max_new_tokens, **options), on_piece)
+        return generate(model, prompts, max_new_tokens, batch_size=args.batch_size, tokenizer=tokenizer,
+                        eos_ids=tokenizer.eos_ids, **options)  # fmt: skip
+
+    ensure_caches(model, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens)
     compile_time = None
     if args.compile or args.compile_prefill:
         t0 = time.perf_counter()
-        run_once(prompt_ids, min(args.max_new_tokens, 2 * EOS_CHECK_INTERVAL))
+        run_once(min(args.max_new_tokens, 2 * CHECK_INTERVAL))
         compile_time = time.perf_counter() - t0
         print(f"Compilation and warm-up: {compile_time:.1f} s", file=sys.stderr)
 
-    outputs, runs = [], []
+    results = []
     for i in range(args.num_samples):
-        stream = TextStream(tokenizer, tokenizer.eos_ids) if args.batch_size == 1 else None
         profile = args.profile is not None and i == args.num_samples - 1
-        if stream:
-            print(args.prompt, end="", flush=True)
+        if single:
+            print_piece(args.prompt[0])
         with torch.profiler.profile() if profile else contextlib.nullcontext() as profiler:
-            result = run_once(prompt_ids, args.max_new_tokens, stream)
+            result = run_once(args.max_new_tokens, print_piece)
         if profile:
             profiler.export_chrome_trace(str(args.profile))
-        texts = [tokenizer.decode(row) for row in result.tokens]
-        if stream:
-            print(texts[0][len(stream.printed) :], flush=True)
+        if single:
+            print(flush=True)
         else:
-            for text in texts:
-                print(args.prompt + text + "\n", flush=True)
-        outputs += texts
-        runs.append(result)
+            for b, text in enumerate(result.texts):
+                print(f"[{b}] {args.prompt[b % len(args.prompt)]}{text}\n", flush=True)
+        results.append(result)
 
-    stats = summarize(runs, model, args.device, compile_time)
+    stats = summarize(results, model, args.device, compile_time)
     for key, value in stats.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"outputs": outputs, "stats": stats}))
+        report = {
+            "outputs": [text for r in results for text in r.texts],
+            "finish_reasons": [reason for r in results for reason in r.finish_reasons],
+            "stats": stats,
+        }
+        if args.logprobs is not None:
+            report["logprobs"] = [row for r in results for row in r.logprobs]
+        print(json.dumps(report))
 
 
 def summarize(runs: list[Generation], model: Transformer, device: torch.device, compile_time: float | None) -> dict:
-    """Figures over all runs: decode speed counts every decode step of every row."""
+    """Figures over all runs. A decode step advances every row by one token."""
     batch = len(runs[0].tokens)
     decode_steps = sum(r.decode_steps for r in runs)
     decode_time = sum(r.decode_time_s for r in runs)
@@ -371,7 +702,8 @@ def summarize(runs: list[Generation], model: Transformer, device: torch.device, 
         "prompt_tokens": runs[0].prompt_tokens,
         "new_tokens": [len(row) for r in runs for row in r.tokens],
         "time_to_first_token_s": ttft,
-        "prefill_tokens_per_s": runs[0].prompt_tokens * batch / ttft,
+        "prefill_tokens_per_s": sum(runs[0].prompt_tokens) / ttft,
+        "decode_tokens_per_s_per_row": steps_per_s,
         "decode_tokens_per_s": steps_per_s * batch,
         "bandwidth_gb_s": size * steps_per_s / 1e9,  # the weights are read once per decode step
         "model_size_gb": size / 1e9,

@@ -113,15 +113,26 @@ class Transformer(nn.Module):
         freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor) -> Tensor:
-        # idx: [B, S] token ids at positions input_pos [S]; returns logits [B, S, vocab] in float32
+    def forward(self, idx: Tensor, input_pos: Tensor, left_pad: Tensor | None = None) -> Tensor:
+        # idx: [B, S] token ids in cache slots input_pos [S]; returns logits [B, S, vocab] in float32.
+        # left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens start at rotary position 0.
         assert self.max_seq_length > 0, "call setup_caches() first"
-        # Query at position p sees cache slots 0..p; later slots hold stale or zero entries.
-        mask = input_pos[:, None] >= torch.arange(self.max_seq_length, device=idx.device)  # [S, max_seq]
-        freqs_cis = self.freqs_cis[input_pos]
+        bsz = idx.shape[0]
+        if bsz > self.max_batch_size:
+            raise ValueError(f"batch of {bsz} rows is larger than the cache, set up for {self.max_batch_size}")
+        if left_pad is None:
+            left_pad = torch.zeros(bsz, dtype=torch.long, device=idx.device)
+        slots = torch.arange(self.max_seq_length, device=idx.device)
+        # A query in slot p sees slots pad..p of its row; later slots hold stale or zero entries.
+        # A padding query sees only itself, so that no softmax row is empty (its output is never used).
+        causal = input_pos[:, None] >= slots  # [S, max_seq]
+        not_padding = slots >= left_pad[:, None]  # [B, max_seq]
+        mask = (causal & not_padding[:, None, :]) | (input_pos[:, None] == slots)  # [B, S, max_seq]
+        positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
+        freqs_cis = self.freqs_cis[positions]  # [B, S, head_dim / 2, 2]
         x = self.tok_embeddings(idx)
         for layer in self.layers:
-            x = layer(x, input_pos, freqs_cis, mask)
+            x = layer(x, input_pos, freqs_cis, mask[:, None])
         x = self.norm(x)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         return F.linear(x, weight).float()
@@ -211,9 +222,9 @@ def precompute_freqs_cis(seq_len: int, head_dim: int, base: float, scaling: dict
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
-    # x: [B, S, H, D]; rotates each interleaved pair (x[2i], x[2i+1]) by its position's angle.
+    # x: [B, S, H, D], freqs_cis: [B, S, D/2, 2]; rotates each pair (x[2i], x[2i+1]) by its position's angle.
     xp = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, S, H, D/2, 2]
-    fc = freqs_cis.view(1, xp.shape[1], 1, xp.shape[3], 2)
+    fc = freqs_cis.unsqueeze(2)  # [B, S, 1, D/2, 2]
     out = torch.stack(
         [xp[..., 0] * fc[..., 0] - xp[..., 1] * fc[..., 1], xp[..., 1] * fc[..., 0] + xp[..., 0] * fc[..., 1]], dim=-1
     )

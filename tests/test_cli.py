@@ -28,7 +28,7 @@ def test_json_output_equals_python_api(tiny_checkpoint):
     assert report["outputs"] == [tokenizer.decode(expected)]
     assert result.stdout.startswith("The quick brown" + report["outputs"][0])  # streamed before the figures
     stats = report["stats"]
-    assert stats["prompt_tokens"] == len(tokenizer.encode("The quick brown"))
+    assert stats["prompt_tokens"] == [len(tokenizer.encode("The quick brown"))]
     assert stats["new_tokens"] == [20] and stats["decode_tokens_per_s"] > 0 and stats["peak_memory_gb"] > 0
     assert stats["bandwidth_gb_s"] == pytest.approx(stats["model_size_gb"] * stats["decode_tokens_per_s"], rel=1e-6)
 

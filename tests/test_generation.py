@@ -1,0 +1,187 @@
+"""Batches of different prompts, padding, stop conditions, streaming, chat and log-probabilities."""
+import pytest
+import torch
+from conftest import SMOLLM2_DIR
+
+from generate import Chat, IncrementalDecoder, drain, generate, load_model, stream
+from tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return load_model(tiny_checkpoint), load_tokenizer(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    assert (SMOLLM2_DIR / "model.pth").is_file(), "run: bash scripts/prepare.sh"
+    return load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
+
+
+def random_prompts(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_batch_equals_each_prompt_alone(tiny):
+    model, _ = tiny
+    prompts = random_prompts([1, 3, 7, 12, 20, 27, 33, 40], 300)
+    batch = generate(model, prompts, 24).tokens
+    for prompt, row in zip(prompts, batch):
+        assert row == generate(model, prompt, 24).tokens[0]
+    assert len({tuple(r) for r in batch}) == 8
+
+
+def test_batch_equals_each_prompt_alone_smollm2(smollm2):
+    model, tokenizer = smollm2
+    texts = ["Hi", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there",
+             "List three colours:", "1, 2, 3, 4,", "Water boils at", "The quick brown fox jumps over the lazy dog. " * 4]  # fmt: skip
+    prompts = [tokenizer.encode(t) for t in texts]
+    assert min(map(len, prompts)) == 1 and max(map(len, prompts)) >= 40
+    batch = generate(model, prompts, 16).tokens
+    for prompt, row in zip(prompts, batch):
+        assert row == generate(model, prompt, 16).tokens[0]
+
+
+def test_padding_is_invisible(tiny):
+    model, _ = tiny
+    short, other, longer = random_prompts([5, 9, 38], 300, seed=1)
+    alone = generate(model, short, 20).tokens[0]
+    for pad_id in (0, 17, 299):
+        assert generate(model, [short, other], 20, pad_id=pad_id).tokens[0] == alone
+        assert generate(model, [short, longer], 20, pad_id=pad_id).tokens[0] == alone  # 33 slots of padding
+
+
+def test_eos_stops_each_row_at_its_place(tiny):
+    model, _ = tiny
+    prompts = random_prompts([4, 6, 9], 300, seed=2)
+    free = generate(model, prompts, 30).tokens
+    eos = free[0][10]  # a token row 0 produces; the other rows may produce it elsewhere or never
+    stopped = generate(model, prompts, 30, eos_ids=[eos])
+    for row, out, reason in zip(free, stopped.tokens, stopped.finish_reasons):
+        assert out == row[: row.index(eos)] if eos in row else out == row
+        assert reason == ("eos" if eos in row else "length")
+
+
+def split_stop_string(tokenizer, tokens):
+    """A 2-character stop string made of the last character of one token and the first of the next."""
+    text = tokenizer.decode(tokens)
+    for i in range(3, len(tokens) - 1):
+        boundary = len(tokenizer.decode(tokens[: i + 1]))
+        stop = text[boundary - 1 : boundary + 1]
+        clean = tokenizer.decode(tokens[: i + 1]) == text[:boundary]  # no character split at this boundary
+        completes = tokenizer.decode(tokens[: i + 2]).startswith(text[: boundary + 1])  # token i+1 brings the 2nd
+        if len(stop) == 2 and stop.strip() and text.find(stop) == boundary - 1 and clean and completes:
+            return stop, i, boundary
+    raise AssertionError("no usable token boundary")
+
+
+def test_stop_string_across_two_tokens(tiny):
+    model, tokenizer = tiny
+    prompts = random_prompts([4, 7], 300, seed=3)
+    free = generate(model, prompts, 40, tokenizer=tokenizer)
+    stop, i, boundary = split_stop_string(tokenizer, free.tokens[0])
+    result = generate(model, prompts, 40, tokenizer=tokenizer, stop=[stop])
+    assert result.texts[0] == free.texts[0][: boundary - 1]
+    assert result.tokens[0] == free.tokens[0][: i + 2] and result.finish_reasons[0] == "stop"
+    other = free.texts[1]
+    expected = other[: other.find(stop)] if stop in other else other
+    assert result.texts[1] == expected
+    # Streaming stops at the same place and never shows any part of the stop string.
+    pieces = []
+    streamed = drain(stream(model, tokenizer, prompts[0], 40, stop=[stop]), pieces.append)
+    assert "".join(pieces) == streamed.texts[0] == result.texts[0]
+    assert streamed.tokens[0] == result.tokens[0]
+
+
+def test_incremental_decoding_of_split_characters(tiny):
+    _, tokenizer = tiny
+    text = "日本語 🙂🚀 café ½ — Ærø"
+    ids = tokenizer.encode(text, bos=False)
+    assert len(ids) > len(text), "the tokenizer should split multi-byte characters"
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_pieces_join_to_the_generation(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("日本語 🙂")
+    pieces = []
+    result = drain(stream(model, tokenizer, prompt, 40, temperature=1.0, seed=5), pieces.append)
+    assert "".join(pieces) == result.texts[0] == tokenizer.decode(result.tokens[0])
+    assert result.tokens[0] == generate(model, prompt, 40, temperature=1.0, seed=5, eos_ids=tokenizer.eos_ids).tokens[0]
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_chat_prefills_only_the_new_turn(request, which):
+    model, tokenizer = request.getfixturevalue(which)
+    chat = Chat(model, tokenizer, max_new_tokens=12, cache_length=256)
+    first = drain(chat.send("Hello! What is the capital of France?"))
+    assert first.prompt_tokens == [len(chat.render(chat.messages[:1]))]
+    conversation = chat.render(chat.messages + [{"role": "user", "content": "And of Italy?"}])
+    second = drain(chat.send("And of Italy?"))
+    # Only what follows the cached prefix is prefilled: the end of turn 1 and the new message.
+    assert chat.last_prefill == second.prompt_tokens[0] < len(conversation) // 2
+    # The reply is the one a fresh prefill of the whole conversation gives.
+    fresh = generate(model, conversation, 12, eos_ids=tokenizer.eos_ids, tokenizer=tokenizer)
+    assert second.tokens == fresh.tokens and second.texts == fresh.texts
+
+
+def test_chat_drops_oldest_turns_when_full(tiny):
+    model, tokenizer = tiny
+    chat = Chat(model, tokenizer, max_new_tokens=20, cache_length=80)
+    for i in range(6):
+        drain(chat.send(f"message number {i} with some words"))
+    assert chat.dropped_turns > 0 and chat.messages[-2]["content"] == "message number 5 with some words"
+    with pytest.raises(ValueError, match="does not fit"):
+        drain(chat.send("a very long message " * 30))
+
+
+def test_logprobs_are_the_models_own(tiny):
+    model, _ = tiny
+    prompt = random_prompts([6], 300, seed=4)[0]
+    result = generate(model, prompt, 10, logprobs=3)
+    tokens = result.tokens[0]
+    model.setup_caches(1, 16)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt + tokens]), torch.arange(16)), dim=-1)[0]
+    for i, entry in enumerate(result.logprobs[0]):
+        row = reference[len(prompt) - 1 + i]
+        assert entry["token"] == tokens[i]
+        assert abs(entry["logprob"] - row[tokens[i]].item()) < 1e-4
+        assert [t for t, _ in entry["top"]] == row.topk(3).indices.tolist()
+        assert entry["top"][0][0] == tokens[i]  # greedy picks the most likely
+
+
+def test_bad_requests(tiny):
+    model, tokenizer = tiny
+    cases = [
+        (lambda: generate(model, [], 5), "the prompt list is empty"),
+        (lambda: generate(model, [[1, 2], []], 5), "a prompt is empty"),
+        (lambda: generate(model, [1, 2], 5, stop=[""], tokenizer=tokenizer), "a stop string is empty"),
+        (lambda: generate(model, [1, 2], 5, stop=["x"]), "stop strings need the tokenizer"),
+        (lambda: generate(model, [1, 2], 5, min_p=2.0), r"min_p must be in \[0, 1\]"),
+        (lambda: generate(model, [1, 2], 5, repetition_penalty=-1.0), "repetition_penalty must be > 0"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    model.setup_caches(2, 32)
+    with pytest.raises(ValueError, match="batch of 3 rows is larger than the cache, set up for 2"):
+        model(torch.ones(3, 4, dtype=torch.long), torch.arange(4))
+
+
+def test_padded_row_computes_what_it_computes_alone(tiny):
+    """Rotary positions restart at each row's first real token: the logits match, not just the argmax."""
+    model, _ = tiny
+    prompt = torch.tensor(random_prompts([10], 300, seed=6))
+    pad = 200
+    model.setup_caches(1, 256)
+    with torch.no_grad():
+        alone = model(prompt, torch.arange(10))
+        x = torch.cat([torch.full((1, pad), 5), prompt], dim=1)
+        padded = model(x, torch.arange(pad + 10), torch.tensor([pad]))[:, pad:]
+    # RoPE scores depend on position differences only, so shifted positions differ by rounding alone (~1e-5 here).
+    assert (alone - padded).abs().max() < 1e-6
