@@ -177,25 +177,31 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, *, start_po
     left_pad = torch.tensor([width - n for n in lengths], device=device)
     s = sampler_state(params, rows, model.config.vocab_size, device)
     generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
-    steps = dict(greedy=params.greedy, n_logprobs=params.logprobs)
-
-    def refill_noise():
-        if not params.greedy:
-            s["noise"].exponential_(generator=generator)
-
-    refill_noise()
-    token, logprobs = prefill_fn(model, x, torch.arange(start_pos, start_pos + width, device=device), left_pad, s, **steps)
+    refill_noise(s, params, generator)
+    input_pos = torch.arange(start_pos, start_pos + width, device=device)
+    token, logprobs = prefill_fn(model, x, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs)
     yield token, logprobs
     input_pos = torch.tensor([start_pos + width], device=device)
-    for _ in range(max_new_tokens - 1):
-        record_token(s, token)
-        refill_noise()
-        token, logprobs = decode_fn(model, token, input_pos, left_pad, s, **steps)
+    yield from decode_n_tokens(model, token, input_pos, left_pad, s, max_new_tokens - 1, params, generator, decode_fn)
+
+
+def refill_noise(s: dict, params: SamplingParams, generator: torch.Generator | None):
+    # Drawn outside the (compiled) step, so that a per-request torch.Generator can be used.
+    if not params.greedy:
+        s["noise"].exponential_(generator=generator)
+
+
+def decode_n_tokens(model, cur_token, input_pos, left_pad, s, num_new_tokens, params, generator=None, decode_fn=decode_one_token):
+    """Yields (token [B, 1], log-probs or None) for num_new_tokens decode steps after cur_token [B, 1]."""
+    for _ in range(num_new_tokens):
+        record_token(s, cur_token)
+        refill_noise(s, params, generator)
+        token, logprobs = decode_fn(model, cur_token, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs)
         # Copies: CUDA graphs reuse their output buffers on the next call.
-        token = token.clone()
+        cur_token = token.clone()
         logprobs = None if logprobs is None else tuple(t.clone() for t in logprobs)
         input_pos += 1
-        yield token, logprobs
+        yield cur_token, logprobs
 
 
 # ---------------------------------------------------------------- generation
@@ -301,7 +307,6 @@ def generate(
     tokenizer: Tokenizer | None = None,
     batch_size: int = 1,
     pad_id: int = 0,
-    callback=None,
     prefill_fn=prefill,
     decode_fn=decode_one_token,
     **sampling_kwargs,
@@ -327,13 +332,11 @@ def generate(
             ttft = time.perf_counter() - start
         tokens.append(token)
         logprobs.append(lp)
-        if callback is not None:
-            callback(token)
         finished |= torch.isin(token[:, 0], eos)
         if step % CHECK_INTERVAL == 0:
             if stop:  # rows whose text so far holds a stop string are done too
                 so_far = torch.cat(tokens, dim=1).tolist()
-                done = [finish_row(row, eos_ids, stop, tokenizer)[2] != "length" for row in so_far]
+                done = [find_stop(tokenizer.decode(row), stop) >= 0 for row in so_far]
                 finished |= torch.tensor(done, device=device)
             if bool(finished.all()):
                 break

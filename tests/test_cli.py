@@ -13,9 +13,12 @@ from tokenizer import load_tokenizer
 
 
 def run_cli(*args, stdin=None):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "generate.py"), *args], input=stdin, capture_output=True, text=True, timeout=300
+    # Bytes, decoded here: text mode would turn a generated "\r" into "\n".
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), *args], input=(stdin or "").encode(), capture_output=True, timeout=300
     )
+    result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
+    return result
 
 
 def test_json_output_equals_python_api(tiny_checkpoint):
@@ -33,11 +36,36 @@ def test_json_output_equals_python_api(tiny_checkpoint):
     assert stats["bandwidth_gb_s"] == pytest.approx(stats["model_size_gb"] * stats["decode_tokens_per_s"], rel=1e-6)
 
 
-def test_interactive_reads_a_pipe(tiny_checkpoint):
-    result = run_cli("--checkpoint_path", str(tiny_checkpoint), "--interactive", "--max_new_tokens", "5",
-                     "--temperature", "0", stdin="first prompt\n\nsecond prompt\n")  # fmt: skip
+def test_several_prompts_are_one_batch(tiny_checkpoint, tmp_path):
+    (tmp_path / "prompts.txt").write_text("second one\n\nthird, a longer prompt\n")
+    result = run_cli("--checkpoint_path", str(tiny_checkpoint), "--prompt", "first", "--prompts_file",
+                     str(tmp_path / "prompts.txt"), "--max_new_tokens", "12", "--temperature", "0",
+                     "--logprobs", "2", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert len([line for line in result.stdout.splitlines() if line.strip()]) >= 1
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    prompts = [tokenizer.encode(p) for p in ("first", "second one", "third, a longer prompt")]
+    expected = gen.generate(gen.load_model(tiny_checkpoint), prompts, 12, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids)
+    assert report["outputs"] == expected.texts
+    assert report["stats"]["prompt_tokens"] == [len(p) for p in prompts]
+    assert [[e["token"] for e in row] for row in report["logprobs"]] == expected.tokens
+
+
+def test_interactive_conversation_from_a_pipe(tiny_checkpoint):
+    turns = ["first message", "", "second message", "/reset", "third message"]
+    result = run_cli("--checkpoint_path", str(tiny_checkpoint), "--interactive", "--max_new_tokens", "6",
+                     "--temperature", "0", stdin="\n".join(turns) + "\n")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    # Without a chat template the conversation is the messages joined by newlines; /reset forgets it.
+    model, tokenizer = gen.load_model(tiny_checkpoint), load_tokenizer(tiny_checkpoint)
+
+    def reply(text):
+        return gen.generate(model, tokenizer.encode(text), 6, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids).texts[0]
+
+    first = reply("first message")
+    second = reply("first message\n" + first + "\nsecond message")
+    assert result.stdout == first + "\n" + second + "\n" + reply("third message") + "\n"
 
 
 def test_bad_input_gives_one_clear_message(tiny_checkpoint):
@@ -86,6 +114,11 @@ def broken_checkpoints(tmp_path, tiny_checkpoint):
         (None, ["--device", "cuda:0"] if not torch.cuda.is_available() else ["--device", "nonsense"], "device"),
         (None, ["--dtype", "int3"], "invalid choice: 'int3'"),
         (None, ["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+        (None, ["--stop", ""], "a stop string is empty"),
+        (None, ["--min_p", "1.5"], "min_p must be in [0, 1]"),
+        (None, ["--repetition_penalty", "0"], "repetition_penalty must be > 0"),
+        (None, ["--prompt", ""], "a prompt is empty"),
+        (None, ["--prompts_file", "/nonexistent/prompts.txt"], "not found"),
     ],
 )
 def test_bad_input(capsys, tiny_checkpoint, broken_checkpoints, case, args, message):
