@@ -506,15 +506,27 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
     with torch.device("meta"):
         model = Transformer(config)
     state_dict = load_tensor_file(path)
+    quantization = state_dict.pop("quantization", None) if "quantization" in state_dict else None
+    if quantization is not None:  # {"quantization": format, "state_dict": tensors}, written by quantize.py
+        from quantize import prepare_quantized, swap_in_quantized_modules
+
+        swap_in_quantized_modules(model, quantization)
+        state_dict = state_dict["state_dict"]
     try:
         model.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{path} does not match {path.parent / 'config.json'}: {e}") from None
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    if quantization is not None:
+        prepare_quantized(model)
+    return model
 
 
 def model_size_bytes(model: Transformer) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights a decode step reads: all of them but the embedding table, of which it reads one
+    row, unless the output projection reuses it (tied embeddings)."""
+    skip = {"tok_embeddings.weight"} if model.output is not None else set()
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
 
 
 def peak_memory_gb(device: torch.device) -> float:

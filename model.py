@@ -120,22 +120,26 @@ class Transformer(nn.Module):
         bsz = idx.shape[0]
         if bsz > self.max_batch_size:
             raise ValueError(f"batch of {bsz} rows is larger than the cache, set up for {self.max_batch_size}")
+        freqs_cis, mask = self.attention_inputs(input_pos, left_pad, bsz)
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, input_pos, freqs_cis, mask)
+        x = self.norm(x)
+        logits = F.linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        return logits.float()
+
+    def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int) -> tuple[Tensor, Tensor]:
+        """Rotary angles [B, S, head_dim / 2, 2] and attention mask [B, 1, S, max_seq] for these positions."""
         if left_pad is None:
-            left_pad = torch.zeros(bsz, dtype=torch.long, device=idx.device)
-        slots = torch.arange(self.max_seq_length, device=idx.device)
+            left_pad = torch.zeros(bsz, dtype=torch.long, device=input_pos.device)
+        slots = torch.arange(self.max_seq_length, device=input_pos.device)
         # A query in slot p sees slots pad..p of its row; later slots hold stale or zero entries.
         # A padding query sees only itself, so that no softmax row is empty (its output is never used).
         causal = input_pos[:, None] >= slots  # [S, max_seq]
         not_padding = slots >= left_pad[:, None]  # [B, max_seq]
         mask = (causal & not_padding[:, None, :]) | (input_pos[:, None] == slots)  # [B, S, max_seq]
         positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
-        freqs_cis = self.freqs_cis[positions]  # [B, S, head_dim / 2, 2]
-        x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            x = layer(x, input_pos, freqs_cis, mask[:, None])
-        x = self.norm(x)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(x, weight).float()
+        return self.freqs_cis[positions], mask[:, None]
 
 
 class TransformerBlock(nn.Module):

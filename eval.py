@@ -1,0 +1,72 @@
+"""Perplexity of a checkpoint (floating-point or quantized) on a text, with a sliding window.
+
+    python eval.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth
+    python eval.py --checkpoint_path ... --text_file book.txt --max_tokens 8192 --json
+
+The default text is the documentation every Python installation carries (pydoc topics). The score
+covers the text's last --max_tokens tokens (GPTQ calibrates on its first ones). Each window of
+--window tokens scores only the tokens the previous window did not, so every scored token sees at
+least window - stride tokens of context.
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from generate import DEFAULT_CHECKPOINT, load_model, resolve_checkpoint
+from quantize import default_text
+from tokenizer import load_tokenizer
+
+
+@torch.no_grad()
+def perplexity(model, tokens: list[int], window: int, stride: int) -> float:
+    model.setup_caches(1, window)
+    nll, counted, scored_until = 0.0, 0, 1  # the first token has no prediction
+    for start in range(0, len(tokens) - 1, stride):
+        chunk = torch.tensor(tokens[start : start + window])
+        logits = model(chunk[None], torch.arange(len(chunk)))[0]
+        logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+        targets = chunk[1:]
+        new = slice(scored_until - start - 1, None)  # positions whose target was not scored yet
+        nll -= logprobs[new].gather(-1, targets[new, None]).sum().item()
+        counted += len(targets[new])
+        scored_until = start + len(chunk)
+        if scored_until >= len(tokens):
+            break
+    return math.exp(nll / counted), counted
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="any model*.pth")
+    parser.add_argument("--text_file", type=Path, help="text to score (default: Python's pydoc topics)")
+    parser.add_argument("--max_tokens", type=int, default=4096, help="score the text's last N tokens")
+    parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass (capped by block_size)")
+    parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
+    opts = parser.parse_args()
+    opts.stride = opts.stride or opts.window // 2
+    if opts.max_tokens < 2 or opts.window < 2 or not 0 < opts.stride <= opts.window:
+        parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride <= --window")
+    try:
+        model = load_model(opts.checkpoint_path, opts.device, torch.float32)
+        tokenizer = load_tokenizer(resolve_checkpoint(opts.checkpoint_path).parent)
+        text = opts.text_file.read_text() if opts.text_file else default_text()
+        tokens = tokenizer.encode(text)[-opts.max_tokens :]
+        if len(tokens) < 2:
+            raise ValueError("the text has fewer than 2 tokens")
+        window = min(opts.window, model.config.block_size)
+        ppl, counted = perplexity(model, tokens, window, min(opts.stride, window))
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    print(f"perplexity {ppl:.4f} over {counted} tokens ({opts.checkpoint_path})")
+    if opts.json:
+        print(json.dumps({"perplexity": ppl, "tokens": counted}))
+
+
+if __name__ == "__main__":
+    main()

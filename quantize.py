@@ -1,0 +1,392 @@
+"""Weight-only quantization: int8 per channel, int4 per group (round-to-nearest or GPTQ).
+
+    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int8
+    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int4 --groupsize 32
+    python quantize.py --checkpoint_path checkpoints/NAME/model.pth --mode int4-gptq --groupsize 32
+
+Writes model_int8.pth / model_int4.g32.pth / model_int4-gptq.g32.pth beside the input (names for
+humans only): the file records its own format, and generate.py / eval.py load it with no extra flag.
+Every linear layer of the blocks is quantized; the output projection is int8 in both modes (int4 costs
+it too much quality) and the embedding stays in floating point (a decode step reads one row of it).
+
+The int4 file stores a device-neutral packing (two 4-bit values a byte); the layout of the int4
+kernels (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU) is made at load time.
+"""
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+FORMAT_VERSION = 1
+MODES = ("int8", "int4", "int4-gptq")
+GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+CPU_KERNEL_DTYPE = torch.bfloat16  # activations of the CPU int8/int4 kernels (measured: see the classes)
+
+
+# ---------------------------------------------------------------- formats and kernels
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """[N, K] -> int8 values [N, K] and one symmetric scale per output channel [N]."""
+    scales = w.abs().amax(dim=1).float().clamp(min=1e-8) / 127
+    q = torch.round(w.float() / scales[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def int4_group_params(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor]:
+    """[N, K] -> scales and zeros [N, K / groupsize]: value = (q - 8) * scale + zero for q in 0..15."""
+    groups = w.float().reshape(w.shape[0], -1, groupsize)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-8)
+    return scales, lo + 8 * scales
+
+
+def quantize_int4_values(w: Tensor, scales: Tensor, zeros: Tensor, groupsize: int) -> Tensor:
+    """Rounds [N, K] to the nearest 4-bit codes (0..15) of the given group parameters."""
+    s, z = scales.repeat_interleave(groupsize, dim=1), zeros.repeat_interleave(groupsize, dim=1)
+    return torch.round((w.float() - z) / s + 8).clamp(0, 15).to(torch.uint8)
+
+
+def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor, groupsize: int) -> Tensor:
+    s, z = scales.repeat_interleave(groupsize, dim=1), zeros.repeat_interleave(groupsize, dim=1)
+    return (q.float() - 8) * s + z
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    # [N, K] codes -> [N, K / 2] bytes: column 2i in the high nibble, 2i+1 in the low one
+    return (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+
+
+# The CPU kernels wrapped as opaque custom ops: inductor's own lowering of _weight_int8pack_mm (torch
+# 2.13) fails when its input is a fused pointwise result ("LoweringException: AssertionError: Pointwise").
+@torch.library.custom_op("llm_quant::int8_mm_cpu", mutates_args=())
+def int8_mm_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
+
+
+@int8_mm_cpu.register_fake
+def _(x, weight, scales):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("llm_quant::int4_mm_cpu", mutates_args=())
+def int4_mm_cpu(x: Tensor, packed: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, groupsize, scales_and_zeros)
+
+
+@int4_mm_cpu.register_fake
+def _(x, packed, groupsize, scales_and_zeros):
+    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (int8 weight * per-channel scale).T + bias, without dequantizing the weight on CPU."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda:
+            # torch.compile fuses the int8 -> float conversion into the matrix-vector product.
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        else:
+            # The CPU kernel is fast with bfloat16 activations only (about 12x slower with float32 ones).
+            x2d = x.reshape(-1, self.in_features).to(CPU_KERNEL_DTYPE)
+            y = int8_mm_cpu(x2d, self.weight, self.scales.to(CPU_KERNEL_DTYPE))
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """Group-wise asymmetric 4-bit weights; the kernel layout (`packed`) is made by prepare() on the device."""
+
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2))
+        self.register_buffer("packed", None, persistent=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def prepare(self):
+        """Converts the stored packing to the layout of this device's int4 kernel."""
+        if self.weight.is_cuda:
+            # The CUDA layout tiles K by 16 x innerKTiles (8, 4 or 2): take the largest that divides it.
+            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(self.weight, inner_k_tiles)
+        else:  # rows pack independently; chunks keep the int32 temporaries small (they fragment the heap)
+            rows = range(0, self.out_features, 256)
+            pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+            self.packed = torch.cat([pack(unpack_int4(self.weight[i : i + 256]).int(), 2) for i in rows])
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if x.is_cuda:  # the CUDA kernel takes bfloat16 only
+            sz = self.scales_and_zeros.to(torch.bfloat16)
+            y = torch.ops.aten._weight_int4pack_mm(x2d.to(torch.bfloat16), self.packed, self.groupsize, sz).to(x.dtype)
+        else:  # bfloat16 activations, as for Int8Linear: float32 ones take a path about 25x slower
+            sz = self.scales_and_zeros.to(CPU_KERNEL_DTYPE)
+            y = int4_mm_cpu(x2d.to(CPU_KERNEL_DTYPE), self.packed, self.groupsize, sz)
+            y = y.to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantized_linears(model) -> list[tuple[str, nn.Linear]]:
+    """The linear layers a quantized checkpoint replaces: every one in the blocks, and the output."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def check_format(fmt: dict):
+    if fmt.get("version") != FORMAT_VERSION or fmt.get("mode") not in ("int8", "int4"):
+        raise ValueError(f"unknown quantized format {fmt!r} (this loader reads version {FORMAT_VERSION}, int8 or int4)")
+    if fmt["mode"] == "int4" and fmt.get("groupsize") not in GROUPSIZES:
+        raise ValueError(f"unknown int4 group size in quantized format {fmt!r}")
+
+
+def swap_in_quantized_modules(model, fmt: dict):
+    """Replaces the model's linear layers (on the meta device) by the quantized modules fmt describes."""
+    check_format(fmt)
+    with torch.device("meta"):
+        for name, linear in quantized_linears(model):
+            bias = linear.bias is not None
+            if fmt["mode"] == "int8" or name == "output":
+                new = Int8Linear(linear.in_features, linear.out_features, bias)
+            else:
+                new = Int4Linear(linear.in_features, linear.out_features, fmt["groupsize"], bias)
+            model.set_submodule(name, new)
+        if model.output is None:  # tied embeddings: the quantized output projection gets its own weights
+            model.output = Int8Linear(model.config.dim, model.config.vocab_size)
+
+
+def prepare_quantized(model):
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.prepare()
+
+
+# ---------------------------------------------------------------- GPTQ
+
+
+def gptq_int4(w: Tensor, hessian: Tensor, groupsize: int, damp: float = 0.01, act_order: bool = False):
+    """GPTQ (Frantar et al. 2022) for one [N, K] weight: returns 4-bit codes [N, K], scales and zeros [N, K / g].
+
+    Columns are rounded one at a time, and each rounding error is spread over the columns not yet
+    rounded, weighted by the inverse Hessian of the layer's inputs. With act_order, columns go in order
+    of decreasing Hessian diagonal and the group parameters are fixed up front from the original
+    weights, so the groups stay contiguous in the file's format."""
+    w = w.double().clone()
+    h = hessian.double().clone()
+    n, k = w.shape
+    dead = torch.diag(h) == 0  # inputs that were always zero
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    if act_order:
+        scales, zeros = (t.double() for t in int4_group_params(w, groupsize))
+    else:  # filled as each group is reached
+        scales, zeros = torch.empty(n, k // groupsize, dtype=w.dtype), torch.empty(n, k // groupsize, dtype=w.dtype)
+    order = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, order], h[order][:, order]
+    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    block = max(128, groupsize)  # a multiple of groupsize, so a group never straddles two blocks
+    for start in range(0, k, block):
+        end = min(start + block, k)
+        wb, errors, hb = w[:, start:end].clone(), torch.zeros(n, end - start, dtype=w.dtype), hinv[start:end, start:end]
+        for i in range(end - start):
+            col = order[start + i].item()
+            g = col // groupsize
+            if not act_order and col % groupsize == 0:  # a new group: its parameters from the weights as updated so far
+                scales[:, g : g + 1], zeros[:, g : g + 1] = int4_group_params(wb[:, i : i + groupsize], groupsize)
+            q = quantize_int4_values(wb[:, i : i + 1], scales[:, g : g + 1], zeros[:, g : g + 1], 1)
+            codes[:, col] = q[:, 0]
+            error = (wb[:, i] - dequantize_int4(q, scales[:, g : g + 1], zeros[:, g : g + 1], 1)[:, 0]) / hb[i, i]
+            wb[:, i:] -= error[:, None] * hb[i, i:][None, :]
+            errors[:, i] = error
+        w[:, end:] -= errors @ hinv[start:end, end:]
+    return codes, scales.float(), zeros.float()
+
+
+def calibration_tokens(tokenizer, text: str, samples: int, seq_length: int) -> Tensor:
+    """The text's first samples x seq_length tokens as [samples, seq_length] (eval.py scores its end)."""
+    ids = tokenizer.encode(text, bos=False)
+    if len(ids) < samples * seq_length:
+        raise ValueError(
+            f"calibration text has {len(ids)} tokens, fewer than --calibration_samples x --calibration_seq_length "
+            f"= {samples * seq_length}"
+        )
+    return torch.tensor(ids[: samples * seq_length]).view(samples, seq_length)
+
+
+@torch.no_grad()
+def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool, batch: int = 8) -> dict:
+    """Quantizes each block's linear layers in turn with GPTQ; later blocks see the quantized earlier ones.
+
+    Returns {linear name: (codes, scales, zeros)}."""
+    from tqdm import tqdm
+
+    samples, seq_length = tokens.shape
+    model.setup_caches(batch, seq_length)
+    input_pos = torch.arange(seq_length)
+    freqs_cis, mask = model.attention_inputs(input_pos, None, batch)
+    xs = [model.tok_embeddings(tokens[i : i + batch]) for i in range(0, samples, batch)]
+    results = {}
+    for index, layer in enumerate(tqdm(model.layers, desc="GPTQ", unit="layer")):
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linears.items()}
+
+        def accumulate(name):
+            def hook(module, args, output):
+                x = args[0].reshape(-1, args[0].shape[-1]).float()
+                hessians[name] += (2 * x.T @ x / (samples * seq_length)).double()  # float32 products, float64 sum
+
+            return hook
+
+        handles = [m.register_forward_hook(accumulate(name)) for name, m in linears.items()]
+        for x in xs:
+            layer(x, input_pos, freqs_cis[: len(x)], mask[: len(x)])
+        for handle in handles:
+            handle.remove()
+        for name, linear in linears.items():
+            codes, scales, zeros = gptq_int4(linear.weight, hessians[name], groupsize, act_order=act_order)
+            linear.weight.copy_(dequantize_int4(codes, scales, zeros, groupsize))
+            results[f"layers.{index}.{name}"] = (codes, scales, zeros)
+        xs = [layer(x, input_pos, freqs_cis[: len(x)], mask[: len(x)]) for x in xs]
+    return results
+
+
+# ---------------------------------------------------------------- writing a quantized checkpoint
+
+
+def quantized_state_dict(model, mode: str, groupsize: int | None, gptq_results: dict | None = None) -> dict:
+    state = {k: v for k, v in model.state_dict().items()}
+    linears = dict(quantized_linears(model))
+    if model.output is None:
+        linears["output"] = nn.Linear(model.config.dim, model.config.vocab_size, bias=False)
+        linears["output"].weight = model.tok_embeddings.weight
+    for name, linear in linears.items():
+        state.pop(f"{name}.weight", None)
+        w = linear.weight.detach()
+        if mode == "int8" or name == "output":
+            q, scales = quantize_int8(w)
+            state[f"{name}.weight"], state[f"{name}.scales"] = q, scales
+            continue
+        if gptq_results is not None:
+            codes, scales, zeros = gptq_results[name]
+        else:
+            scales, zeros = int4_group_params(w, groupsize)
+            codes = quantize_int4_values(w, scales, zeros, groupsize)
+        state[f"{name}.weight"] = pack_int4(codes)
+        state[f"{name}.scales_and_zeros"] = torch.stack([scales.T, zeros.T], dim=-1).contiguous()  # [K / g, N, 2]
+    return state
+
+
+def output_path(checkpoint_path: Path, mode: str, groupsize: int | None) -> Path:
+    suffix = f"_{mode}" + (f".g{groupsize}" if mode != "int8" else "")
+    return checkpoint_path.with_name(checkpoint_path.stem + suffix + ".pth")
+
+
+def save_atomic(obj, path: Path):
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is an ordinary file
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def quantize_checkpoint(
+    checkpoint_path: Path,
+    mode: str,
+    groupsize: int = 32,
+    calibration_text: str | None = None,
+    calibration_samples: int = 32,
+    calibration_seq_length: int = 512,
+    act_order: bool = False,
+) -> Path:
+    from generate import load_model, load_tensor_file, resolve_checkpoint
+    from tokenizer import load_tokenizer
+
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode != "int8" and groupsize not in GROUPSIZES:
+        raise ValueError(f"groupsize {groupsize} is not supported; choose from {', '.join(map(str, GROUPSIZES))}")
+    checkpoint_path = resolve_checkpoint(checkpoint_path)
+    if "quantization" in load_tensor_file(checkpoint_path):
+        raise ValueError(f"{checkpoint_path} is already quantized; quantize the floating-point model.pth")
+    model = load_model(checkpoint_path, "cpu", torch.float32)
+    for name, linear in quantized_linears(model):
+        if mode == "int8" or name == "output":
+            continue
+        if linear.in_features % groupsize:
+            raise ValueError(
+                f"groupsize {groupsize} does not divide the {linear.in_features} inputs of {name}; "
+                f"use a groupsize that divides {linear.in_features}"
+            )
+        if linear.out_features % 16:  # the int4 kernels' tile height
+            raise ValueError(f"int4 needs a multiple of 16 outputs; {name} has {linear.out_features}: use int8")
+    gptq_results = None
+    if mode == "int4-gptq":
+        text = calibration_text if calibration_text is not None else default_text()
+        tokens = calibration_tokens(load_tokenizer(checkpoint_path.parent), text, calibration_samples, calibration_seq_length)
+        gptq_results = gptq_quantize_blocks(model, tokens, groupsize, act_order)
+    kind = "int8" if mode == "int8" else "int4"
+    fmt = {"version": FORMAT_VERSION, "mode": kind, "groupsize": None if kind == "int8" else groupsize,
+           "method": "gptq" if mode == "int4-gptq" else "rtn", "output": "int8", "embedding": "float"}  # fmt: skip
+    out = output_path(checkpoint_path, mode, None if kind == "int8" else groupsize)
+    save_atomic({"quantization": fmt, "state_dict": quantized_state_dict(model, kind, groupsize, gptq_results)}, out)
+    return out
+
+
+def default_text() -> str:
+    """Documentation text every Python installation carries (the standard library's pydoc topics)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint_path", type=Path, required=True, help="the floating-point model.pth")
+    parser.add_argument("--mode", required=True, choices=MODES)
+    parser.add_argument("--groupsize", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
+    parser.add_argument("--calibration_file", type=Path, help="GPTQ calibration text (default: Python's pydoc topics)")
+    parser.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")
+    parser.add_argument("--calibration_seq_length", type=int, default=512, help="GPTQ: tokens per sequence")
+    parser.add_argument("--act_order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
+    opts = parser.parse_args()
+    if opts.calibration_samples < 1 or opts.calibration_seq_length < 1:
+        parser.error("--calibration_samples and --calibration_seq_length must be >= 1")
+    try:
+        text = opts.calibration_file.read_text() if opts.calibration_file else None
+        out = quantize_checkpoint(
+            opts.checkpoint_path, opts.mode, opts.groupsize, text, opts.calibration_samples,
+            opts.calibration_seq_length, opts.act_order,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Quantization: kernels against float64, exact round trips, GPTQ against round-to-nearest, checkpoints end to end."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import quantize as qz
+from generate import load_model
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_int8_linear_matches_float64_reference(bias, batch):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 160), torch.randn(batch, 3, 160)
+    q, scales = qz.quantize_int8(w)
+    assert q.dtype == torch.int8 and (q.float() * scales[:, None] - w).abs().max() <= scales.max() / 2 + 1e-6
+    layer = qz.Int8Linear(160, 96, bias)
+    layer.weight, layer.scales = q, scales
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(96))
+    reference = x.double() @ (q.double() * scales.double()[:, None]).T + (layer.bias.double() if bias else 0)
+    # bfloat16 activations in the CPU kernel: about 3 significant digits.
+    assert relative_error(layer(x), reference) < 1e-2
+
+
+@pytest.mark.parametrize("groupsize", [32, 64])
+def test_int4_linear_matches_float64_reference(groupsize):
+    torch.manual_seed(1)
+    w, x = torch.randn(96, 256), torch.randn(4, 256)
+    scales, zeros = qz.int4_group_params(w, groupsize)
+    codes = qz.quantize_int4_values(w, scales, zeros, groupsize)
+    dequantized = qz.dequantize_int4(codes, scales, zeros, groupsize)
+    assert codes.max() <= 15 and (dequantized - w).abs().max() <= scales.max() / 2 + 1e-5
+    layer = qz.Int4Linear(256, 96, groupsize)
+    layer.weight = qz.pack_int4(codes)
+    layer.scales_and_zeros = torch.stack([scales.T, zeros.T], dim=-1)
+    layer.prepare()
+    assert relative_error(layer(x), x.double() @ dequantized.double().T) < 1e-2
+
+
+def test_pack_and_save_round_trips_exactly(tmp_path):
+    codes = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
+    packed = qz.pack_int4(codes)
+    assert packed.shape == (7, 32) and torch.equal(qz.unpack_int4(packed), codes)
+    state = {"w": packed, "s": torch.randn(2, 7, 2), "q": torch.randint(-128, 127, (3, 4), dtype=torch.int8)}
+    qz.save_atomic({"quantization": {"version": 1}, "state_dict": state}, tmp_path / "f.pth")
+    loaded = torch.load(tmp_path / "f.pth", weights_only=True)["state_dict"]
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+    torch.manual_seed(2)
+    w = torch.randn(64, 256)
+    mixing = torch.randn(256, 256) / 16 + torch.eye(256)
+    x = torch.randn(2048, 32) @ torch.randn(32, 256) + 0.1 * torch.randn(2048, 256) @ mixing  # low-rank + noise
+    hessian = 2 * x.double().T @ x.double() / len(x)
+    scales, zeros = qz.int4_group_params(w, 32)
+    rtn = qz.dequantize_int4(qz.quantize_int4_values(w, scales, zeros, 32), scales, zeros, 32)
+    errors = {"rtn": relative_error(x @ rtn.T, x @ w.T)}
+    for act_order in (False, True):
+        codes, s, z = qz.gptq_int4(w, hessian, 32, act_order=act_order)
+        errors[f"gptq act_order={act_order}"] = relative_error(x @ qz.dequantize_int4(codes, s, z, 32).T, x @ w.T)
+    assert errors["gptq act_order=False"] < 0.8 * errors["rtn"], errors
+    assert errors["gptq act_order=True"] < 0.8 * errors["rtn"], errors
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoints(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("q") / "tiny"
+    shutil.copytree(tiny_checkpoint, folder)
+    paths = {mode: qz.quantize_checkpoint(folder / "model.pth", mode, 32, calibration_samples=4, calibration_seq_length=64)
+             for mode in qz.MODES}  # fmt: skip
+    return folder, paths
+
+
+def test_quantized_checkpoints_load_and_stay_close(quantized_checkpoints):
+    folder, paths = quantized_checkpoints
+    assert sorted(p.name for p in paths.values()) == ["model_int4-gptq.g32.pth", "model_int4.g32.pth", "model_int8.pth"]
+    reference = load_model(folder / "model.pth")
+    x = torch.randint(0, 300, (2, 24))
+    reference.setup_caches(2, 24)
+    with torch.no_grad():
+        expected = reference(x, torch.arange(24))
+        for mode, path in paths.items():
+            model = load_model(path)
+            assert isinstance(model.layers[0].attention.wqkv, qz.Int8Linear if mode == "int8" else qz.Int4Linear)
+            assert isinstance(model.output, qz.Int8Linear)
+            model.setup_caches(2, 24)
+            assert relative_error(model(x, torch.arange(24)), expected) < (0.05 if mode == "int8" else 0.5), mode
+
+
+def run_generate(*args):
+    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_cli_generates_from_quantized_checkpoints_eager_and_compiled(quantized_checkpoints):
+    _, paths = quantized_checkpoints
+    for mode, path in paths.items():
+        args = ["--checkpoint_path", str(path), "--prompt", "The quick", "--max_new_tokens", "20", "--temperature", "0", "--json"]
+        eager, compiled = run_generate(*args), run_generate(*args, "--compile")
+        assert eager["outputs"] == compiled["outputs"] and eager["stats"]["new_tokens"] == [20], mode
+
+
+def test_bad_quantization_requests(quantized_checkpoints, tmp_path):
+    folder, paths = quantized_checkpoints
+    before = sorted(p.name for p in folder.iterdir())
+    cases = [
+        (dict(mode="int3"), "unknown mode 'int3'"),
+        (dict(mode="int4", groupsize=48), "groupsize 48 is not supported"),
+        (dict(mode="int4", groupsize=64), "groupsize 64 does not divide the 96 inputs of layers.0.feed_forward.w2"),
+        (dict(mode="int4-gptq", calibration_samples=1000), "calibration text has .* tokens, fewer than"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            qz.quantize_checkpoint(folder / "model.pth", **kwargs)
+    with pytest.raises(ValueError, match="already quantized"):
+        qz.quantize_checkpoint(paths["int8"], "int4")
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+    data = torch.load(paths["int8"], weights_only=True)
+    data["quantization"]["mode"] = "int2"
+    torch.save(data, tmp_path / "odd.pth")
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        load_model(tmp_path / "odd.pth")
+    result = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(paths["int4"]), "--mode", "int8"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode != 0 and result.stderr.strip().startswith("error:") and "already quantized" in result.stderr
