@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model import ModelArgs, Transformer
@@ -218,6 +219,7 @@ class Generation:
     time_to_first_token_s: float
     decode_time_s: float
     raw_tokens: list[list[int]] = field(repr=False, default_factory=list)  # every token produced per row
+    speculation: dict | None = None  # speculative decoding's figures (Speculation.summary)
 
 
 def check_prompts(prompts) -> list[list[int]]:
@@ -290,6 +292,131 @@ def collect(raw_rows, logprob_steps, prompt_rows, eos_ids, stop, tokenizer, ttft
     )
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+
+def step_probs(logits: Tensor, s: dict, greedy: bool) -> Tensor:
+    """[..., V] logits -> the distribution a token is drawn from (one-hot at the argmax when greedy)."""
+    if greedy:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return logits_to_probs(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+
+
+def draft_step(draft, x: Tensor, input_pos: Tensor, s: dict, greedy: bool):
+    # x: [1, 1] -> drafted token [1, 1] and the distribution p it was drawn from [1, V]
+    probs = step_probs(draft(x, input_pos)[:, -1], s, greedy)
+    return torch.argmax(probs / s["noise"], dim=-1, keepdim=True), probs
+
+
+def verify_step(model, x: Tensor, input_pos: Tensor, s: dict, greedy: bool) -> Tensor:
+    # x: [1, k + 1], the current token and k drafted ones -> the target's distributions q after each [k + 1, V]
+    return step_probs(model(x, input_pos)[0], s, greedy)
+
+
+def residual_probs(q: Tensor, p: Tensor) -> Tensor:
+    """Where a drafted token is rejected, the next one comes from normalize(max(0, q - p)) over the whole
+    vocabulary; if that has no mass (p equals q up to rounding, so rejection had ~0 chance), from q."""
+    residual = (q - p).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 1e-6, residual / mass.clamp(min=1e-6), q)
+
+
+def accept_drafts(drafted: Tensor, p: Tensor, q: Tensor, uniforms: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """Leviathan et al.'s rule: drafted [k] tokens drawn from p [k, V], target distributions q [k + 1, V].
+
+    Token i is kept with probability min(1, q_i(x_i) / p_i(x_i)) (uniforms [k]); at the first rejection
+    the next token comes from the residual; if all are kept, a bonus token comes from q_k. Returns the
+    number kept and the next token, as device tensors."""
+    k = drafted.shape[0]
+    rows = torch.arange(k, device=drafted.device)
+    ratio = q[rows, drafted] / p[rows, drafted]  # p > 0 at the drafted tokens: they were drawn from it
+    kept = torch.cumprod((uniforms < ratio).int(), dim=0).sum()
+    # Past the last draft p is zero, so the "residual" there is q_k itself: the bonus token.
+    p = torch.cat([p, torch.zeros_like(p[:1])])
+    return kept, torch.argmax(residual_probs(q[kept], p[kept]) / noise, dim=-1)
+
+
+@dataclass
+class Speculation:
+    k: int
+    rounds: int = 0
+    drafted: int = 0
+    kept: int = 0
+    histogram: list[int] = field(default_factory=list)  # rounds that kept 0, 1, ..., k drafted tokens
+
+    def summary(self) -> dict:
+        return {
+            "speculate_k": self.k,
+            "acceptance_rate": self.kept / max(self.drafted, 1),
+            "accepted_length_histogram": self.histogram,
+            "tokens_per_target_forward": (self.kept + self.rounds) / max(self.rounds, 1),
+        }
+
+
+def check_speculation(model, draft, params: SamplingParams, k: int):
+    if k < 1:
+        raise ValueError(f"speculate_k must be >= 1, got {k}")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})")
+    if params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty or params.logprobs is not None:
+        raise ValueError("speculative decoding supports temperature, top_k, top_p and min_p, not penalties or logprobs")
+
+
+@torch.no_grad()
+def speculative_generate(
+    model, draft, prompt: list[int], max_new_tokens: int, params: SamplingParams, k: int, *,
+    eos_ids=(), stop=(), tokenizer=None, prefill_fn=prefill, draft_fn=draft_step, verify_fn=verify_step,
+) -> Generation:  # fmt: skip
+    """Generates from the target with the draft proposing k tokens a round; the output distribution is
+    exactly the target's (greedy: exactly its greedy tokens). One host sync per round."""
+    check_speculation(model, draft, params, k)
+    device = model.tok_embeddings.weight.device
+    # Verification writes up to k positions past the last kept token.
+    for m in (model, draft):
+        ensure_caches(m, 1, len(prompt), max_new_tokens + k + 1)
+    s_target, s_draft = (sampler_state(params, [prompt], model.config.vocab_size, device) for _ in range(2))
+    generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
+    no_pad = torch.zeros(1, dtype=torch.long, device=device)
+    x, input_pos = torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)
+    eos, stats = set(eos_ids), Speculation(k, histogram=[0] * (k + 1))
+
+    synchronize(device)
+    start = time.perf_counter()
+    refill_noise(s_target, params, generator)
+    first, _ = prefill_fn(model, x, input_pos, no_pad, s_target, greedy=params.greedy, n_logprobs=None)
+    draft(x, input_pos)  # the draft's cache holds the prompt too
+    out = [int(first)]
+    ttft = time.perf_counter() - start
+    pos, cur = len(prompt), first.view(1, 1)
+    while len(out) < max_new_tokens and out[-1] not in eos and not (stop and find_stop(tokenizer.decode(out), stop) >= 0):
+        drafted, probs, token = [], [], cur
+        for i in range(k):
+            refill_noise(s_draft, params, generator)
+            token, p = draft_fn(draft, token, torch.tensor([pos + i], device=device), s_draft, params.greedy)
+            token = token.clone()
+            drafted.append(token)
+            probs.append(p.clone())
+        drafted = torch.cat(drafted, dim=1)  # [1, k]
+        q = verify_fn(model, torch.cat([cur, drafted], dim=1), torch.arange(pos, pos + k + 1, device=device), s_target, params.greedy)
+        uniforms = torch.rand(k, device=device, generator=generator)
+        noise = torch.empty(q.shape[-1], device=device).exponential_(generator=generator)
+        kept, next_token = accept_drafts(drafted[0], torch.cat(probs), q, uniforms, noise)
+        host = torch.cat([kept.view(1), next_token.view(1), drafted[0]]).tolist()  # the round's one sync
+        n = host[0]
+        if n == k:  # the draft never fed its last token: do it, so its cache is complete
+            draft_fn(draft, drafted[:, -1:], torch.tensor([pos + k], device=device), s_draft, params.greedy)
+        emitted = host[2 : 2 + n] + [host[1]]
+        stats.rounds, stats.drafted, stats.kept = stats.rounds + 1, stats.drafted + k, stats.kept + n
+        stats.histogram[n] += 1
+        out += emitted
+        pos += len(emitted)
+        cur = torch.tensor([[emitted[-1]]], device=device)
+    raw = out[:max_new_tokens]
+    result = collect([raw], [None], [prompt], eos_ids, list(stop), tokenizer, ttft, time.perf_counter() - start - ttft)
+    result.speculation = stats.summary()
+    return result
+
+
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -307,17 +434,29 @@ def generate(
     tokenizer: Tokenizer | None = None,
     batch_size: int = 1,
     pad_id: int = 0,
+    draft_model: Transformer | None = None,
+    speculate_k: int = 4,
     prefill_fn=prefill,
     decode_fn=decode_one_token,
+    draft_fn=draft_step,
+    verify_fn=verify_step,
     **sampling_kwargs,
 ) -> Generation:
     """Continues each prompt (token ids; one prompt or a list, each repeated batch_size times) in one batch.
 
     Every row stops at its first EOS or stop string (matched on decoded text, which needs tokenizer)
-    or after max_new_tokens. sampling_kwargs (temperature=..., top_p=...) build a SamplingParams."""
+    or after max_new_tokens. sampling_kwargs (temperature=..., top_p=...) build a SamplingParams.
+    With a draft_model, decoding is speculative (batch 1), speculate_k drafted tokens a round."""
     params = sampling or SamplingParams(**sampling_kwargs)
     rows = check_prompts(prompts) * batch_size
     stop = check_stop(stop, tokenizer)
+    if draft_model is not None:
+        if len(rows) != 1:
+            raise ValueError(f"speculative decoding takes one prompt at a time, got a batch of {len(rows)}")
+        return speculative_generate(
+            model, draft_model, rows[0], max_new_tokens, params, speculate_k, eos_ids=eos_ids, stop=stop,
+            tokenizer=tokenizer, prefill_fn=prefill_fn, draft_fn=draft_fn, verify_fn=verify_fn,
+        )  # fmt: skip
     device = model.tok_embeddings.weight.device
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     steps = token_steps(model, rows, max_new_tokens, params, pad_id=pad_id, prefill_fn=prefill_fn, decode_fn=decode_fn)
@@ -535,12 +674,15 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # peak resident set, KiB on Linux
 
 
-def compile_steps(device: torch.device):
-    """The compiled prefill and decode step. CUDA graphs ("reduce-overhead") exist on CUDA only."""
+def compile_steps(device: torch.device) -> dict:
+    """The compiled steps, named as generate() takes them. CUDA graphs ("reduce-overhead") exist on CUDA only."""
     mode = "reduce-overhead" if device.type == "cuda" else None
-    decode_fn = torch.compile(decode_one_token, mode=mode, fullgraph=True)
-    prefill_fn = torch.compile(prefill, fullgraph=True, dynamic=True)
-    return prefill_fn, decode_fn
+    return {
+        "prefill_fn": torch.compile(prefill, fullgraph=True, dynamic=True),
+        "decode_fn": torch.compile(decode_one_token, mode=mode, fullgraph=True),
+        "draft_fn": torch.compile(draft_step, mode=mode, fullgraph=True),
+        "verify_fn": torch.compile(verify_step, mode=mode, fullgraph=True),
+    }
 
 
 # ---------------------------------------------------------------- command line
@@ -566,6 +708,8 @@ def parse_args(argv=None):
     p.add_argument("--logprobs", type=int, default=None, help="report log-probs of chosen tokens and N alternatives")
     p.add_argument("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth, or its folder")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="draft model: speculative decoding")
+    p.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
@@ -573,7 +717,7 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace (.json) of the last run")
     p.add_argument("--json", action="store_true", help="print one JSON object of outputs and figures as last line")
     args = p.parse_args(argv)
-    for name in ("num_samples", "max_new_tokens", "batch_size"):
+    for name in ("num_samples", "max_new_tokens", "batch_size", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     try:
@@ -641,50 +785,73 @@ def chat_loop(model, tokenizer, args, step_fns):
             print(f"[the conversation outgrew the cache: dropped its {chat.dropped_turns - dropped} oldest turn(s)]", file=sys.stderr)
 
 
+def load_draft(args, tokenizer: Tokenizer):
+    """The draft model for speculative decoding, checked to share the target's tokenizer."""
+    draft = load_model(args.draft_checkpoint_path, args.device, args.dtype)
+    draft_tokenizer = load_tokenizer(resolve_checkpoint(args.draft_checkpoint_path).parent)
+    probe = "Tokenizer check: ünïcödé, 12345, emoji 🙂."
+    if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.eos_ids != tokenizer.eos_ids:
+        raise ValueError(f"the draft {args.draft_checkpoint_path} does not use the target's tokenizer")
+    return draft
+
+
 def run(args):
     t0 = time.perf_counter()
     model = load_model(args.checkpoint_path, args.device, args.dtype)
     tokenizer = load_tokenizer(resolve_checkpoint(args.checkpoint_path).parent)
+    draft = load_draft(args, tokenizer) if args.draft_checkpoint_path else None
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    compiled_prefill, compiled_decode = compile_steps(args.device)  # compiles lazily, on first use
+    compiled = compile_steps(args.device)  # each compiles lazily, on first use
     step_fns = dict(
-        prefill_fn=compiled_prefill if args.compile_prefill else prefill,
-        decode_fn=compiled_decode if args.compile else decode_one_token,
+        prefill_fn=compiled["prefill_fn"] if args.compile_prefill else prefill,
+        decode_fn=compiled["decode_fn"] if args.compile else decode_one_token,
     )
     if args.interactive:
+        if draft is not None:
+            raise ValueError("--interactive does not take a draft model")
         return chat_loop(model, tokenizer, args, step_fns)
 
     prompts = [tokenizer.encode(p) for p in args.prompt]
     check_prompts(prompts)
     single = len(prompts) == 1 and args.batch_size == 1
     options = dict(sampling=args.sampling, stop=args.stop, **step_fns)
+    if draft is not None:
+        if not single:
+            raise ValueError("speculative decoding takes one prompt and --batch_size 1")
+        speculative = dict(draft_model=draft, speculate_k=args.speculate_k)
+        if args.compile:
+            speculative.update(draft_fn=compiled["draft_fn"], verify_fn=compiled["verify_fn"])
 
-    def run_once(max_new_tokens, on_piece=None):
-        if single:
+    def run_once(max_new_tokens, on_piece=None, plain=False):
+        if single and draft is None or plain:
             return drain(stream(model, tokenizer, prompts[0], max_new_tokens, **options), on_piece)
+        extra = speculative if draft is not None else {}
         return generate(model, prompts, max_new_tokens, batch_size=args.batch_size, tokenizer=tokenizer,
-                        eos_ids=tokenizer.eos_ids, **options)  # fmt: skip
+                        eos_ids=tokenizer.eos_ids, **options, **extra)  # fmt: skip
 
     ensure_caches(model, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens)
     compile_time = None
     if args.compile or args.compile_prefill:
         t0 = time.perf_counter()
         run_once(min(args.max_new_tokens, 2 * CHECK_INTERVAL))
+        if draft is not None:  # the plain decode step too: speculation is compared with it
+            run_once(min(args.max_new_tokens, 2 * CHECK_INTERVAL), plain=True)
         compile_time = time.perf_counter() - t0
         print(f"Compilation and warm-up: {compile_time:.1f} s", file=sys.stderr)
 
     results = []
     for i in range(args.num_samples):
         profile = args.profile is not None and i == args.num_samples - 1
-        if single:
+        streaming = single and draft is None
+        if streaming:
             print_piece(args.prompt[0])
         with torch.profiler.profile() if profile else contextlib.nullcontext() as profiler:
             result = run_once(args.max_new_tokens, print_piece)
         if profile:
             profiler.export_chrome_trace(str(args.profile))
-        if single:
+        if streaming:
             print(flush=True)
         else:
             for b, text in enumerate(result.texts):
@@ -692,6 +859,11 @@ def run(args):
         results.append(result)
 
     stats = summarize(results, model, args.device, compile_time)
+    if draft is not None:
+        plain = summarize([run_once(args.max_new_tokens, plain=True)], model, args.device, None)
+        stats["speculation"] = results[-1].speculation
+        stats["plain_decode_tokens_per_s"] = plain["decode_tokens_per_s"]
+        stats["speedup_over_plain_decoding"] = stats["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     for key, value in stats.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}", file=sys.stderr)
     if args.json:

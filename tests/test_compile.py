@@ -13,7 +13,7 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     counters.clear()
-    _, decode_fn = compile_steps(torch.device("cpu"))
+    decode_fn = compile_steps(torch.device("cpu"))["decode_fn"]
     assert generate(model, PROMPTS, 2, decode_fn=decode_fn).tokens == [row[:2] for row in eager]  # compiles
     # The cache is set up for these shapes already: 50 more steps must reuse the one graph.
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -1,0 +1,133 @@
+"""Speculative decoding: greedy output equals the target's, sampled output follows the target's distribution."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+from conftest import make_hf_llama
+from convert_hf_checkpoint import convert_hf_checkpoint
+
+import generate as gen
+import quantize as qz
+from model import ModelArgs, Transformer
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_checkpoint, tiny_tokenizer_json, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("spec")
+    shutil.copytree(tiny_checkpoint, folder / "target")
+    make_hf_llama(folder / "hf_draft", tiny_tokenizer_json, seed=7, num_hidden_layers=1, num_key_value_heads=1, hidden_size=32)
+    convert_hf_checkpoint(folder / "hf_draft", folder / "draft")
+    int8 = qz.quantize_checkpoint(folder / "target" / "model.pth", "int8")
+    target = gen.load_model(folder / "target")
+    return target, {"unrelated": gen.load_model(folder / "draft"), "int8 copy": gen.load_model(int8)}
+
+
+PROMPT = [5, 17, 42, 7, 99]
+
+
+@pytest.mark.parametrize("draft_name", ["unrelated", "int8 copy"])
+def test_greedy_equals_plain_decoding(pairs, draft_name):
+    target, drafts = pairs
+    plain = gen.generate(target, PROMPT, 40).tokens[0]
+    accepted = {}
+    for k in (1, 2, 4, 8):
+        result = gen.generate(target, PROMPT, 40, draft_model=drafts[draft_name], speculate_k=k)
+        assert result.tokens[0] == plain, k
+        accepted[k] = result.speculation["acceptance_rate"]
+    if draft_name == "int8 copy":
+        assert min(accepted.values()) > 0.5  # a quantized copy agrees with the target most of the time
+
+
+def test_compiled_greedy_equals_plain_without_recompiling(pairs):
+    target, drafts = pairs
+    plain = gen.generate(target, PROMPT, 40).tokens[0]
+    steps = gen.compile_steps(torch.device("cpu"))
+    fns = dict(draft_fn=steps["draft_fn"], verify_fn=steps["verify_fn"])
+    for name, draft in drafts.items():
+        for k in (1, 2, 4, 8):
+            result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, **fns)
+            assert result.tokens[0] == plain, (name, k)
+    # Every shape has been seen: another run, rounds included, must not compile anything.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], speculate_k=4, **fns).tokens[0] == plain
+
+
+def tiny_vocab_model(seed: int, layers: int) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(dim=32, n_layer=layers, n_head=2, intermediate_size=64, vocab_size=16, block_size=64))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.4)
+    return model.eval()
+
+
+def exact_marginals(model, prompt) -> tuple[np.ndarray, np.ndarray]:
+    """P(2nd new token) and P(3rd new token) in float64, by enumerating the first two."""
+    def next_probs(prefixes):
+        model.setup_caches(len(prefixes), len(prefixes[0]))
+        with torch.no_grad():
+            logits = model(torch.tensor(prefixes), torch.arange(len(prefixes[0])))[:, -1].double()
+        return torch.softmax(logits, -1).numpy()
+
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(16)])  # [a, b]
+    p3 = next_probs([prompt + [a, b] for a in range(16) for b in range(16)]).reshape(16, 16, 16)
+    second = p1 @ p2
+    third = np.einsum("a,ab,abc->c", p1, p2, p3)
+    return second, third
+
+
+def chi_square_rejects(samples: np.ndarray, expected: np.ndarray) -> bool:
+    """Pearson's test at significance 0.001, cells with fewer than 5 expected merged."""
+    counts = np.bincount(samples, minlength=16).astype(float)
+    expected = expected * len(samples)
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    critical = {d: c for d, c in enumerate([0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59,
+                                            31.26, 32.91, 34.53, 36.12, 37.70])}[len(observed) - 1]  # fmt: skip
+    return statistic > critical
+
+
+def speculative_samples(target, draft, prompt, runs) -> np.ndarray:
+    params = [gen.SamplingParams(temperature=1.0, seed=seed) for seed in range(runs)]
+    return np.array([gen.speculative_generate(target, draft, prompt, 3, p, 2).tokens[0][1:3] for p in params])
+
+
+def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
+    target, draft = tiny_vocab_model(0, 2), tiny_vocab_model(1, 1)
+    prompt = [3, 1, 4, 1, 5]
+    second, third = exact_marginals(target, prompt)
+    samples = speculative_samples(target, draft, prompt, 2500)
+    assert not chi_square_rejects(samples[:, 0], second) and not chi_square_rejects(samples[:, 1], third)
+
+    # The test has the power to see a wrong rule: resampling the argmax of the target at a rejection.
+    def argmax_resampling(q, p):
+        return torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).float()
+
+    monkeypatch.setattr(gen, "residual_probs", argmax_resampling)
+    wrong = speculative_samples(target, draft, prompt, 2500)
+    assert chi_square_rejects(wrong[:, 0], second) or chi_square_rejects(wrong[:, 1], third)
+
+
+def test_bad_speculation_requests(pairs):
+    target, drafts = pairs
+    draft = drafts["int8 copy"]
+    cases = [
+        (dict(speculate_k=0), "speculate_k must be >= 1"),
+        (dict(repetition_penalty=1.2), "not penalties or logprobs"),
+        (dict(logprobs=2), "not penalties or logprobs"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gen.generate(target, PROMPT, 10, draft_model=draft, **kwargs)
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        gen.generate(target, [PROMPT, PROMPT], 10, draft_model=draft)
+    with pytest.raises(ValueError, match="vocabulary"):
+        gen.generate(target, PROMPT, 10, draft_model=tiny_vocab_model(0, 1))
+    with pytest.raises(ValueError, match="block_size"):
+        gen.generate(target, PROMPT, 250, draft_model=draft, speculate_k=8)
