@@ -831,7 +831,10 @@ def run(args):
         return generate(model, prompts, max_new_tokens, batch_size=args.batch_size, tokenizer=tokenizer,
                         eos_ids=tokenizer.eos_ids, **options, **extra)  # fmt: skip
 
-    ensure_caches(model, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens)
+    # Caches sized once for every run below (speculation writes k + 1 positions ahead), so nothing recompiles.
+    ahead = args.speculate_k + 1 if draft is not None else 0
+    for m in (model, draft) if draft is not None else (model,):
+        ensure_caches(m, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens + ahead)
     compile_time = None
     if args.compile or args.compile_prefill:
         t0 = time.perf_counter()
