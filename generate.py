@@ -645,7 +645,7 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
     with torch.device("meta"):
         model = Transformer(config)
     state_dict = load_tensor_file(path)
-    quantization = state_dict.pop("quantization", None) if "quantization" in state_dict else None
+    quantization = state_dict.pop("quantization", None)
     if quantization is not None:  # {"quantization": format, "state_dict": tensors}, written by quantize.py
         from quantize import prepare_quantized, swap_in_quantized_modules
 

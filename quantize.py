@@ -274,7 +274,7 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
 
 
 def quantized_state_dict(model, mode: str, groupsize: int | None, gptq_results: dict | None = None) -> dict:
-    state = {k: v for k, v in model.state_dict().items()}
+    state = dict(model.state_dict())
     linears = dict(quantized_linears(model))
     if model.output is None:
         linears["output"] = nn.Linear(model.config.dim, model.config.vocab_size, bias=False)
