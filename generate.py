@@ -12,6 +12,7 @@ host looks at the tokens only to stream them or, every few steps, to check wheth
 import argparse
 import contextlib
 import json
+import os
 import resource
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import tp
 from model import ModelArgs, Transformer
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -638,8 +640,10 @@ def resolve_checkpoint(checkpoint_path: str | Path) -> Path:
     return path
 
 
-def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """Builds the model on the meta device and assigns the memory-mapped weights: no second copy."""
+def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               shard=None):  # fmt: skip
+    """Builds the model on the meta device and assigns the memory-mapped weights: no second copy.
+    With a tensor-parallel shard (tp.Shard), keeps this rank's slice only, before moving it to the device."""
     path = resolve_checkpoint(checkpoint_path)
     config = ModelArgs.from_json(path.parent / "config.json")
     with torch.device("meta"):
@@ -651,10 +655,14 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
 
         swap_in_quantized_modules(model, quantization)
         state_dict = state_dict["state_dict"]
+    if shard is not None:
+        tp.check_divisible(config, shard.world_size, quantization)
     try:
         model.load_state_dict(state_dict, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{path} does not match {path.parent / 'config.json'}: {e}") from None
+    if shard is not None:
+        tp.apply_tp(model, shard)
     model = model.to(device=device, dtype=dtype).eval()
     if quantization is not None:
         prepare_quantized(model)
@@ -716,10 +724,14 @@ def parse_args(argv=None):
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile the prefill too (dynamic shapes)")
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace (.json) of the last run")
     p.add_argument("--json", action="store_true", help="print one JSON object of outputs and figures as last line")
+    p.add_argument("--tp_timeout_s", type=float, default=tp.DEFAULT_TIMEOUT_S,
+                   help="under torchrun: seconds a rank waits for the others before it gives up")  # fmt: skip
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens", "batch_size", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.tp_timeout_s <= 0:
+        p.error("--tp_timeout_s must be > 0")
     try:
         args.sampling = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -754,7 +766,7 @@ def print_piece(piece: str):
     print(piece, end="", flush=True)
 
 
-def chat_loop(model, tokenizer, args, step_fns):
+def chat_loop(model, tokenizer, args, step_fns, read_line=sys.stdin.readline):
     chat = Chat(
         model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
         stop=args.stop, **step_fns,
@@ -765,7 +777,7 @@ def chat_loop(model, tokenizer, args, step_fns):
     while True:
         if terminal:
             print("> ", end="", flush=True)
-        line = sys.stdin.readline()
+        line = read_line()
         if not line:
             break
         text = line.strip()
@@ -785,9 +797,9 @@ def chat_loop(model, tokenizer, args, step_fns):
             print(f"[the conversation outgrew the cache: dropped its {chat.dropped_turns - dropped} oldest turn(s)]", file=sys.stderr)
 
 
-def load_draft(args, tokenizer: Tokenizer):
+def load_draft(args, tokenizer: Tokenizer, shard):
     """The draft model for speculative decoding, checked to share the target's tokenizer."""
-    draft = load_model(args.draft_checkpoint_path, args.device, args.dtype)
+    draft = load_model(args.draft_checkpoint_path, args.device, args.dtype, shard)
     draft_tokenizer = load_tokenizer(resolve_checkpoint(args.draft_checkpoint_path).parent)
     probe = "Tokenizer check: ünïcödé, 12345, emoji 🙂."
     if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.eos_ids != tokenizer.eos_ids:
@@ -795,12 +807,14 @@ def load_draft(args, tokenizer: Tokenizer):
     return draft
 
 
-def run(args):
+def run(args, shard=None):
     t0 = time.perf_counter()
-    model = load_model(args.checkpoint_path, args.device, args.dtype)
+    model = load_model(args.checkpoint_path, args.device, args.dtype, shard)
     tokenizer = load_tokenizer(resolve_checkpoint(args.checkpoint_path).parent)
-    draft = load_draft(args, tokenizer) if args.draft_checkpoint_path else None
+    draft = load_draft(args, tokenizer, shard) if args.draft_checkpoint_path else None
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    if shard is not None:  # every rank must sample the same tokens: one seed for all, chosen by rank 0
+        args.seed = tp.from_rank0(args.seed if args.seed is not None else int(torch.randint(2**62, ())))
     if args.seed is not None:
         torch.manual_seed(args.seed)
     compiled = compile_steps(args.device)  # each compiles lazily, on first use
@@ -811,7 +825,10 @@ def run(args):
     if args.interactive:
         if draft is not None:
             raise ValueError("--interactive does not take a draft model")
-        return chat_loop(model, tokenizer, args, step_fns)
+        read_line = sys.stdin.readline  # under torchrun: rank 0 reads, and passes each line to the others
+        if shard is not None:
+            read_line = lambda: tp.from_rank0(sys.stdin.readline() if shard.rank == 0 else None)  # noqa: E731
+        return chat_loop(model, tokenizer, args, step_fns, read_line)
 
     prompts = [tokenizer.encode(p) for p in args.prompt]
     check_prompts(prompts)
@@ -846,7 +863,7 @@ def run(args):
 
     results = []
     for i in range(args.num_samples):
-        profile = args.profile is not None and i == args.num_samples - 1
+        profile = args.profile is not None and i == args.num_samples - 1 and (shard is None or shard.rank == 0)
         streaming = single and draft is None
         if streaming:
             print_piece(args.prompt[0])
@@ -862,6 +879,9 @@ def run(args):
         results.append(result)
 
     stats = summarize(results, model, args.device, compile_time)
+    if shard is not None:  # the figures are rank 0's, but for memory: a rank's use depends on its slice
+        stats["tensor_parallel_ranks"] = shard.world_size
+        stats["peak_memory_gb_per_rank"] = tp.gather_objects(stats.pop("peak_memory_gb"))
     if draft is not None:
         plain = summarize([run_once(args.max_new_tokens, plain=True)], model, args.device, None)
         stats["speculation"] = results[-1].speculation
@@ -872,6 +892,7 @@ def run(args):
     if args.json:
         report = {
             "outputs": [text for r in results for text in r.texts],
+            "tokens": [row for r in results for row in r.tokens],
             "finish_reasons": [reason for r in results for reason in r.finish_reasons],
             "stats": stats,
         }
@@ -903,11 +924,25 @@ def summarize(runs: list[Generation], model: Transformer, device: torch.device, 
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+    # Under torchrun every rank runs all of this; rank 0 alone prints (the others fail alike, quietly).
+    quiet = int(os.environ.get("RANK", "0")) != 0
+    shard = None
+    with open(os.devnull, "w") as devnull, contextlib.ExitStack() as silence:
+        if quiet:
+            silence.enter_context(contextlib.redirect_stdout(devnull))
+            silence.enter_context(contextlib.redirect_stderr(devnull))
+        try:
+            args = parse_args(argv)
+            shard, args.device = tp.maybe_init_dist(args.device, args.tp_timeout_s)
+            run(args, shard)
+        except (ValueError, OSError) as e:
+            sys.exit(1 if quiet else f"error: {e}")
+        except RuntimeError as e:  # under torchrun, mostly a collective failing: a rank died or hung
+            if shard is None:
+                raise
+            sys.exit(f"error: rank {shard.rank} stopped: {e}")
+        finally:
+            tp.leave_dist()
 
 
 if __name__ == "__main__":

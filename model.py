@@ -109,7 +109,8 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         c = self.config
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(max_batch_size, max_seq_length, c.n_kv_heads, c.head_dim, dtype).to(device)
+            attn = layer.attention  # its own KV heads: fewer than the model's under tensor parallelism
+            attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype).to(device)
         freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
 

@@ -1,0 +1,161 @@
+"""Tensor parallelism under torchrun (gloo on CPU): the sharded model computes what one process computes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, SMOLLM2_DIR, make_hf_llama
+
+import tp
+import tp_worker
+from generate import load_model
+from model import ModelArgs
+import quantize
+from quantize import quantize_checkpoint
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # torchrun's own default; said here to keep it quiet
+
+
+def torchrun_command(nproc: int, script, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+
+
+def torchrun(nproc: int, script, *args, stdin=None):
+    command = torchrun_command(nproc, script, *args)
+    return subprocess.run(command, env=ENV, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def generate_tokens(nproc: int, *args) -> list[list[int]]:
+    args = ("--temperature", "0", "--json", *args)
+    if nproc == 1:
+        result = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True)
+    else:
+        result = torchrun(nproc, ROOT / "generate.py", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["tokens"]
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoint(tmp_path_factory, tiny_tokenizer_json):
+    """A tiny model with every feature the splits must handle: GQA, q/k/v/o biases, tied embeddings, and
+    sizes that allow int4 groups of 32 on 2 ranks; with its int8 and int4 versions."""
+    from convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir = tmp_path_factory.mktemp("hf_tp")
+    make_hf_llama(hf_dir, tiny_tokenizer_json, num_key_value_heads=2, intermediate_size=128, attention_bias=True,
+                  tie_word_embeddings=True, seed=3)  # fmt: skip
+    out = tmp_path_factory.mktemp("tp") / "tiny"
+    convert_hf_checkpoint(hf_dir, out)
+    quantize_checkpoint(out / "model.pth", "int8")
+    quantize_checkpoint(out / "model.pth", "int4", groupsize=32)
+    return out
+
+
+@pytest.mark.parametrize("name, compiled", [("model.pth", False), ("model_int8.pth", True), ("model_int4.g32.pth", False)])
+def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, monkeypatch, name, compiled):
+    monkeypatch.setattr(quantize, "CPU_KERNEL_DTYPE", quantize.CPU_KERNEL_DTYPE)  # the worker changes it
+    expected = tp_worker.logits_and_tokens(tp_checkpoint / name, compiled=compiled)
+    out = tmp_path / "result.pt"
+    result = torchrun(2, ROOT / "tests" / "tp_worker.py", str(tp_checkpoint / name), str(out), *["compile"] * compiled)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    assert got["logits"].shape == expected["logits"].shape == (2, 9, 320)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False  # padding queries: their outputs are never used
+    assert (got["logits"] - expected["logits"])[valid].abs().max() < 1e-4
+    # Two different prompts in one batch: every row is all-reduced, not only the first.
+    assert expected["tokens"][0] != expected["tokens"][1] and got["tokens"] == expected["tokens"]
+
+
+def test_cli_batch_under_tp(tp_checkpoint):
+    args = ("--checkpoint_path", str(tp_checkpoint), "--prompt", "The quick brown", "--prompt", "def main():",
+            "--max_new_tokens", "24")  # fmt: skip
+    assert generate_tokens(2, *args) == generate_tokens(1, *args)
+
+
+def test_seeded_sampling_and_speculative_decoding_under_tp(tp_checkpoint):
+    sampled = ("--checkpoint_path", str(tp_checkpoint), "--max_new_tokens", "24", "--seed", "7")
+    expected = generate_tokens(1, *sampled, "--temperature", "1.0")
+    assert generate_tokens(2, *sampled, "--temperature", "1.0") == expected  # the last --temperature wins
+    # Target and draft both sharded; greedy speculation gives the target's own greedy tokens.
+    plain = generate_tokens(1, "--checkpoint_path", str(tp_checkpoint), "--max_new_tokens", "24")
+    speculative = generate_tokens(2, "--checkpoint_path", str(tp_checkpoint), "--max_new_tokens", "24",
+                                  "--draft_checkpoint_path", str(tp_checkpoint / "model_int4.g32.pth"))  # fmt: skip
+    assert speculative == plain
+
+
+def test_interactive_under_tp(tp_checkpoint):
+    args = ["--checkpoint_path", str(tp_checkpoint), "--interactive", "--temperature", "0", "--max_new_tokens", "12"]
+    single = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], input="Hello\nThe quick\n",
+                            capture_output=True, text=True)  # fmt: skip
+    sharded = torchrun(2, ROOT / "generate.py", *args, stdin="Hello\nThe quick\n")
+    assert single.returncode == sharded.returncode == 0, sharded.stderr[-3000:]
+    assert sharded.stdout == single.stdout and single.stdout.count("\n") == 2  # one reply a line sent
+
+
+def test_world_size_that_does_not_divide_the_model(tp_checkpoint):
+    result = torchrun(3, ROOT / "generate.py", "--checkpoint_path", str(tp_checkpoint))  # 4 heads, 2 KV heads
+    assert result.returncode != 0
+    assert result.stderr.count("error: cannot split this model over 3 ranks") == 1  # rank 0 speaks, alone
+    assert "n_head = 4 is not a multiple of 3" in result.stderr and "Traceback" not in result.stderr.split("error:")[0]
+
+
+@pytest.mark.parametrize(
+    "overrides, quantization, message",
+    [
+        (dict(n_head=6, n_kv_heads=6), None, "n_head = 6 is not a multiple of 4"),
+        (dict(intermediate_size=102), None, "intermediate_size = 102 is not a multiple of 4"),
+        (dict(intermediate_size=384), {"mode": "int4", "groupsize": 64}, "w2 would get 96 inputs a rank"),
+        (dict(n_head=8, n_kv_heads=4, head_dim=8), {"mode": "int4", "groupsize": 32}, "wo would get 16 inputs"),
+    ],
+)
+def test_check_divisible_refuses_uneven_splits(overrides, quantization, message):
+    base = dict(dim=128, n_layer=1, n_head=8, n_kv_heads=8, head_dim=16, intermediate_size=256, vocab_size=320)
+    tp.check_divisible(ModelArgs(**base), 4, {"mode": "int4", "groupsize": 32})  # the base splits evenly
+    with pytest.raises(ValueError, match=message):
+        tp.check_divisible(ModelArgs(**{**base, **overrides}), 4, quantization)
+
+
+def rank_pids(torchrun_pid: int) -> dict[int, int]:
+    """The worker processes torchrun started, by their RANK."""
+    pids = {}
+    for child in open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read().split():
+        environ = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        pids[int(next(e for e in environ if e.startswith(b"RANK="))[5:])] = int(child)
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_hung_rank_ends_the_job(tp_checkpoint, sig):
+    # SIGKILL: torchrun sees the death; SIGSTOP: only the process-group timeout can end the wait.
+    command = torchrun_command(2, ROOT / "generate.py", "--checkpoint_path", str(tp_checkpoint),
+                               "--num_samples", "100000", "--max_new_tokens", "100", "--tp_timeout_s", "5")  # fmt: skip
+    job = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = {}
+    try:
+        job.stdout.readline()  # rank 0 is generating
+        pids = rank_pids(job.pid)
+        start = time.monotonic()
+        os.kill(pids[1], sig)
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode != 0 and time.monotonic() - start < 60
+        if sig == signal.SIGSTOP:
+            assert "error: rank 0 stopped:" in stderr and "Timed out" in stderr
+    finally:
+        for pid in (job.pid, *pids.values()):  # nothing is left behind, stopped or not, if the test fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.skipif(not (SMOLLM2_DIR / "model.pth").is_file(), reason="run scripts/prepare.sh first")
+def test_smollm2_on_three_ranks():
+    # 9 heads and 3 KV heads: 3 q heads and 1 KV head a rank; the 49152-token vocabulary splits in 3.
+    args = ("--checkpoint_path", str(SMOLLM2_DIR), "--prompt", "The capital of France is", "--max_new_tokens", "24")
+    assert generate_tokens(3, *args) == generate_tokens(1, *args)
