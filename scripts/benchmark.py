@@ -1,0 +1,392 @@
+"""Prefill and decode speed of our configurations, side by side with llama.cpp and transformers, in one run.
+
+    python scripts/benchmark.py                                    # SmolLM2: compiled float32/bfloat16/int8/int4
+    python scripts/benchmark.py --peers llama.cpp,transformers     # and the peers, on the same GGUF file
+    python scripts/benchmark.py --configs eager:float32,compiled:float32 --rounds 5 --json
+    python scripts/benchmark.py --shape llama-2-7b --device cuda --configs compiled:bfloat16,compiled:int8,compiled:int4
+    python scripts/benchmark.py --draft checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth --configs compiled:float32
+
+A run is a prompt of --prompt_length random tokens (prefill), then --new_tokens greedy decode steps
+with no EOS. Every round runs each configuration once, ours and the peers interleaved, so that a
+change in the machine's load hits all of them alike; the table shows medians over the rounds, after
+one warm-up run each (which, for compiled ones, compiles: "compile s"). MBU = bytes of weights a decode
+step reads x steps per second / the copy bandwidth measured at the start of the same run.
+int8 / int4 models are quantized in memory (round to nearest; int4 groups of --groupsize).
+llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python);
+its F32 / F16 / Q8_0 files are made from the GGUF with the package's own quantize function.
+"""
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from generate import DEFAULT_CHECKPOINT, compile_steps, ensure_caches, generate, load_model, model_size_bytes  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from quantize import quantize_model  # noqa: E402
+
+DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAPES = {  # random-weight models of well-known shapes: GPU runs need no download
+    "smollm2-135m": dict(dim=576, n_layer=30, n_head=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152,
+                         tie_word_embeddings=True),
+    "llama-2-7b": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=11008, vocab_size=32000),
+    "llama-3-8b": dict(dim=4096, n_layer=32, n_head=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256,
+                       rope_base=500000.0),
+}  # fmt: skip
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+LLAMA_CPP_TYPES = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_1"}  # comparable formats
+LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's enum llama_ftype
+
+
+@dataclass
+class Entry:
+    """One row of the table: a configuration, how to run it once, and what its runs measured."""
+
+    name: str
+    run: object  # () -> dict(prefill_tokens_per_s, time_to_first_token_s, decode_tokens_per_s)
+    precision: str | None = None  # ours: the comparable precision; peers: None
+    weight_bytes: int = 0  # bytes a decode step reads
+    memory_mb: float = float("nan")  # RSS growth (CPU) or peak allocated (CUDA) while loading and warming up
+    compile_s: float | None = None
+    runs: list[dict] = field(default_factory=list)
+
+    def median(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.runs)
+
+
+def parse_configs(text: str) -> list[tuple[bool, str]]:
+    configs = []
+    for item in text.split(","):
+        mode, _, precision = item.strip().partition(":")
+        if mode not in ("eager", "compiled") or precision not in PRECISIONS:
+            raise ValueError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}")
+        configs.append((mode == "compiled", precision))
+    return configs
+
+
+def synchronize(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth_gb_s(device: torch.device, megabytes: int = 512) -> float:
+    """Read + write bytes per second of a large tensor copy: the yardstick of MBU."""
+    src = torch.ones(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / min(times[1:]) / 1e9
+
+
+def memory_now_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e6
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1e3
+
+
+def measure_memory(device: torch.device, build):
+    """build() and the memory it took: CPU resident-set growth, or CUDA peak allocation during it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) / 1e6
+    else:
+        before = memory_now_mb(device)
+    result = build()
+    return result, memory_now_mb(device) - before
+
+
+def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Transformer:
+    config = ModelArgs(**SHAPES[shape])
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=generator)
+    return model.eval()
+
+
+def our_entry(args, compiled: bool, precision: str, prompt: list[int], draft=None) -> Entry:
+    def build():
+        if args.shape:
+            base = random_model(args.shape, args.device, torch.bfloat16 if precision == "bfloat16" else torch.float32)
+        else:
+            dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+            base = load_model(args.checkpoint_path, args.device, dtype)
+        return base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize)
+
+    model, memory = measure_memory(args.device, build)
+    steps = compile_steps(args.device) if compiled else {}
+    fns = {}
+    if compiled:  # the decode step; the prefill stays eager (compiling it for dynamic shapes costs minutes here)
+        fns = dict(decode_fn=steps["decode_fn"])
+        if draft is not None:
+            fns.update(draft_fn=steps["draft_fn"], verify_fn=steps["verify_fn"])
+    extra = dict(draft_model=draft, speculate_k=args.speculate_k) if draft is not None else {}
+    ahead = args.speculate_k + 1 if draft is not None else 0
+    for m in (model, draft) if draft is not None else (model,):
+        ensure_caches(m, 1, len(prompt), args.new_tokens + ahead)
+
+    def run() -> dict:
+        result = generate(model, prompt, args.new_tokens, temperature=0.0, **fns, **extra)
+        return {
+            "time_to_first_token_s": result.time_to_first_token_s,
+            "prefill_tokens_per_s": len(prompt) / result.time_to_first_token_s,
+            "decode_tokens_per_s": (len(result.tokens[0]) - 1) / result.decode_time_s,
+        }
+
+    name = f"ours {'compiled' if compiled else 'eager'} {precision}" + (f" + draft (k={args.speculate_k})" if draft else "")
+    entry = Entry(name, run, precision, model_size_bytes(model), memory)
+    start = time.perf_counter()
+    entry.run()  # warm-up: compiles, if compiled
+    entry.compile_s = time.perf_counter() - start if compiled else None
+    return entry
+
+
+def gguf_variant(source: Path, kind: str, threads: int) -> Path:
+    """source requantized to llama.cpp type `kind` (cached beside it), made by llama.cpp itself."""
+    import llama_cpp
+
+    if kind == "Q4_1" and "Q4_1" in source.name:
+        return source
+    out = source.with_name(f"{source.stem}.bench-{kind}.gguf")
+    if not out.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = LLAMA_FTYPES[kind], True, threads
+        tmp = out.with_suffix(".tmp")
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not make a {kind} copy of {source}")
+        os.replace(tmp, out)
+    return out
+
+
+def cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "amx_int8" in f.read()
+
+
+def llama_cpp_entry(gguf: Path, kind: str, prompt: list[int], args) -> Entry:
+    from llama_cpp import Llama
+
+    def build():
+        return Llama(model_path=str(gguf), n_ctx=len(prompt) + args.new_tokens + 8, n_batch=max(512, len(prompt)),
+                     n_threads=args.threads, n_threads_batch=args.threads, verbose=False)  # fmt: skip
+
+    if cpu_has_amx():  # llama.cpp's AMX weight buffers crash on such CPUs (llama.cpp issue 20824): use plain ones
+        import llama_cpp.llama_cpp as low
+
+        default_params = low.llama_model_default_params
+
+        def plain_buffers():
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        low.llama_model_default_params = plain_buffers
+
+    llm, memory = measure_memory(torch.device("cpu"), build)
+
+    def run() -> dict:
+        llm.reset()  # the next eval starts at position 0 and drops the cached positions after it
+        start = time.perf_counter()
+        llm.eval(prompt)
+        ttft = time.perf_counter() - start
+        token = prompt[-1]
+        start = time.perf_counter()
+        for _ in range(args.new_tokens - 1):
+            llm.eval([token])  # llama-bench, too, decodes fixed tokens: the speed does not depend on them
+        return {"time_to_first_token_s": ttft, "prefill_tokens_per_s": len(prompt) / ttft,
+                "decode_tokens_per_s": (args.new_tokens - 1) / (time.perf_counter() - start)}  # fmt: skip
+
+    entry = Entry(f"llama.cpp {kind}", run, weight_bytes=gguf.stat().st_size, memory_mb=memory)
+    entry.run()
+    return entry
+
+
+def transformers_entry(gguf: Path, prompt: list[int], args) -> Entry:
+    from transformers import AutoModelForCausalLM
+
+    def build():
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+    model, memory = measure_memory(torch.device("cpu"), build)
+    ids = torch.tensor([prompt])
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    def run() -> dict:
+        ttft, total = timed(1), timed(args.new_tokens)
+        return {"time_to_first_token_s": ttft, "prefill_tokens_per_s": len(prompt) / ttft,
+                "decode_tokens_per_s": (args.new_tokens - 1) / (total - ttft)}  # fmt: skip
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    entry = Entry("transformers eager float32", run, weight_bytes=weights, memory_mb=memory)
+    entry.run()
+    return entry
+
+
+def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple[str, list[dict]]:
+    peers = {e.name: e for e in entries if e.precision is None}
+    rows = []
+    for e in entries:
+        decode = e.median("decode_tokens_per_s")
+        row = {
+            "config": e.name,
+            "prefill_tokens_per_s": e.median("prefill_tokens_per_s"),
+            "time_to_first_token_ms": 1e3 * e.median("time_to_first_token_s"),
+            "decode_tokens_per_s": decode,
+            "weights_mb_per_token": e.weight_bytes / 1e6,
+            "achieved_gb_s": e.weight_bytes * decode / 1e9,
+            "mbu": e.weight_bytes * decode / 1e9 / bandwidth,
+            "memory_mb": e.memory_mb,
+            "compile_s": e.compile_s,
+        }
+        if e.precision is not None:
+            peer = peers.get(f"llama.cpp {LLAMA_CPP_TYPES[e.precision]}")
+            if peer is not None:
+                row["vs_llama_cpp_decode"] = decode / peer.median("decode_tokens_per_s")
+                row["vs_llama_cpp_prefill"] = row["prefill_tokens_per_s"] / peer.median("prefill_tokens_per_s")
+            if "transformers eager float32" in peers:
+                row["vs_transformers_decode"] = decode / peers["transformers eager float32"].median("decode_tokens_per_s")
+        rows.append(row)
+    memory = "peak MB" if device.type == "cuda" else "RSS +MB"
+    lines = [
+        f"| config | prefill tok/s | TTFT ms | decode tok/s | MB/token | GB/s | MBU | {memory} | compile s "
+        "| decode vs llama.cpp | prefill vs llama.cpp | decode vs transformers |",
+        "|---|" + "---|" * 12,
+    ]
+    for r in rows:
+        ratio = lambda key: f"{r[key]:.2f}x" if key in r else ""  # noqa: E731
+        compile_s = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else ""
+        lines.append(
+            f"| {r['config']} | {r['prefill_tokens_per_s']:.0f} | {r['time_to_first_token_ms']:.0f} "
+            f"| {r['decode_tokens_per_s']:.1f} | {r['weights_mb_per_token']:.0f} | {r['achieved_gb_s']:.1f} "
+            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {compile_s} | {ratio('vs_llama_cpp_decode')} "
+            f"| {ratio('vs_llama_cpp_prefill')} | {ratio('vs_transformers_decode')} |"
+        )
+    return "\n".join(lines), rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth or its folder")
+    p.add_argument("--shape", choices=SHAPES, default=None, help="a random-weight model of this shape instead")
+    p.add_argument("--configs", default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
+                   help="comma-separated eager|compiled:float32|bfloat16|int8|int4")  # fmt: skip
+    p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
+    p.add_argument("--draft", type=Path, default=None, help="also each config with this draft model (speculative)")
+    p.add_argument("--speculate_k", type=int, default=4)
+    p.add_argument("--peers", default="", help="comma-separated: llama.cpp, transformers")
+    p.add_argument("--gguf", type=Path, default=None, help="the peers' model file (default: the SmolLM2 GGUF)")
+    p.add_argument("--prompt_length", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="timed runs of each configuration (medians reported)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
+    p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    args = p.parse_args(argv)
+    try:
+        args.configs = parse_configs(args.configs)
+    except ValueError as e:
+        p.error(str(e))
+    args.peers = [peer for peer in args.peers.split(",") if peer]
+    if unknown := set(args.peers) - {"llama.cpp", "transformers"}:
+        p.error(f"unknown peer(s) {', '.join(sorted(unknown))}: use llama.cpp, transformers")
+    for name in ("prompt_length", "new_tokens", "rounds", "threads", "speculate_k"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    args.device = torch.device(args.device)
+    if args.gguf is None and args.peers:
+        if args.shape or Path(args.checkpoint_path) != DEFAULT_CHECKPOINT:
+            p.error("--peers needs --gguf: the same model as a GGUF file")
+        args.gguf = DEFAULT_GGUF
+    if args.gguf is not None and not args.gguf.is_file():
+        p.error(f"GGUF file {args.gguf} not found (bash scripts/prepare.sh makes the default one)")
+    if args.peers and args.device.type != "cpu":
+        p.error("the peers run on the CPU: compare them with --device cpu")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        benchmark(args)
+    except (ValueError, OSError) as e:
+        sys.exit(f"error: {e}")
+
+
+def benchmark(args):
+    torch.set_num_threads(args.threads)
+    # Each configuration compiles the same step functions for another model: allow them all their graphs.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(args.configs))
+    prompt = torch.randint(100, 1000, (args.prompt_length,), generator=torch.Generator().manual_seed(0)).tolist()
+    bandwidth = copy_bandwidth_gb_s(args.device)
+    print(f"copy bandwidth: {bandwidth:.1f} GB/s (read + write); {args.threads} threads; {args.device}", file=sys.stderr)
+
+    entries = []
+    draft = None
+    if args.draft is not None:
+        draft = load_model(args.draft, args.device, torch.float32)
+    for compiled, precision in args.configs:
+        print(f"preparing ours {'compiled' if compiled else 'eager'} {precision} ...", file=sys.stderr)
+        entries.append(our_entry(args, compiled, precision, prompt))
+        if draft is not None:
+            entries.append(our_entry(args, compiled, precision, prompt, draft))
+    if "llama.cpp" in args.peers:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            sys.exit("error: --peers llama.cpp needs the llama-cpp-python package (pip install llama-cpp-python)")
+        for kind in sorted({LLAMA_CPP_TYPES[p] for _, p in args.configs}, key=list(LLAMA_FTYPES).index):
+            print(f"preparing llama.cpp {kind} ...", file=sys.stderr)
+            entries.append(llama_cpp_entry(gguf_variant(args.gguf, kind, args.threads), kind, prompt, args))
+    if "transformers" in args.peers:
+        print("preparing transformers ...", file=sys.stderr)
+        entries.append(transformers_entry(args.gguf, prompt, args))
+
+    for r in range(args.rounds):
+        for e in entries:
+            e.runs.append(e.run())
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}"
+                                                           for e in entries), file=sys.stderr)  # fmt: skip
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        for e in entries:
+            if e.precision is None:
+                continue
+            with torch.profiler.profile() as prof:
+                e.run()
+            path = args.profile / (e.name.replace(" ", "_").replace("(", "").replace(")", "") + ".json")
+            prof.export_chrome_trace(str(path))
+            print(f"\n{e.name}: trace in {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+    text, rows = table(entries, bandwidth, args.device)
+    print(f"\n{args.shape or args.checkpoint_path}, batch 1, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
+          f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n")  # fmt: skip
+    print(text)
+    if args.json:
+        print(json.dumps({"copy_bandwidth_gb_s": bandwidth, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
