@@ -176,9 +176,22 @@ class Attention(nn.Module):
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_heads)
+        if seqlen == 1:  # a decode step: plain ops, which inductor fuses (SDPA's CPU kernel costs ~0.1 ms a call)
+            y = one_query_attention(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_heads)
         y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
         return self.wo(y)
+
+
+def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v for one query position. q [B, H, 1, D], k and v [B, H_kv, T, D],
+    mask [B, 1, 1, T]; the query heads that share a KV head (head i uses KV head i // group) become rows."""
+    bsz, n_head, _, head_dim = q.shape
+    rows = q.reshape(bsz, k.shape[1], n_head // k.shape[1], head_dim)
+    scores = (rows.float() @ k.float().transpose(-1, -2)) / math.sqrt(head_dim)  # [B, H_kv, group, T]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (probs @ v.float()).to(q.dtype).reshape(bsz, n_head, 1, head_dim)
 
 
 class FeedForward(nn.Module):
