@@ -29,7 +29,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from generate import DEFAULT_CHECKPOINT, compile_steps, ensure_caches, generate, load_model, model_size_bytes  # noqa: E402
+from generate import (  # noqa: E402
+    DEFAULT_CHECKPOINT, compile_steps, ensure_caches, generate, load_model, model_size_bytes, resolve_checkpoint,
+)  # fmt: skip
 from model import ModelArgs, Transformer  # noqa: E402
 from quantize import quantize_model  # noqa: E402
 
@@ -339,7 +341,12 @@ def benchmark(args):
     torch.set_num_threads(args.threads)
     # Each configuration compiles the same step functions for another model: allow them all their graphs.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(args.configs))
-    prompt = torch.randint(100, 1000, (args.prompt_length,), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.shape:
+        config = ModelArgs(**SHAPES[args.shape])
+    else:
+        config = ModelArgs.from_json(resolve_checkpoint(args.checkpoint_path).parent / "config.json")
+    random_ids = torch.randint(config.vocab_size, (args.prompt_length,), generator=torch.Generator().manual_seed(0))
+    prompt = random_ids.tolist()  # llama-bench, too, measures random tokens: the speed does not depend on them
     bandwidth = copy_bandwidth_gb_s(args.device)
     print(f"copy bandwidth: {bandwidth:.1f} GB/s (read + write); {args.threads} threads; {args.device}", file=sys.stderr)
 

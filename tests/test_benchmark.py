@@ -1,0 +1,43 @@
+"""scripts/benchmark.py as a user runs it: one JSON row per configuration, figures that agree with each other."""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+def run_benchmark(*args):
+    command = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def test_benchmark_rows(tiny_checkpoint):
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "eager:float32,eager:int8",
+                           "--draft", str(tiny_checkpoint), "--rounds", "2", "--prompt_length", "8",
+                           "--new_tokens", "6", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = {row["config"]: row for row in report["rows"]}
+    assert list(rows) == ["ours eager float32", "ours eager float32 + draft (k=4)", "ours eager int8",
+                          "ours eager int8 + draft (k=4)"]  # fmt: skip
+    assert "| ours eager int8 |" in result.stdout  # the markdown table
+    for row in rows.values():
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["compile_s"] is None
+        assert row["achieved_gb_s"] * 1e3 == pytest.approx(row["weights_mb_per_token"] * row["decode_tokens_per_s"])
+        assert row["mbu"] == pytest.approx(row["achieved_gb_s"] / report["copy_bandwidth_gb_s"])
+    # int8 weights: about a quarter of the float32 bytes (plus float32 scales, norms and the embedding row)
+    assert rows["ours eager int8"]["weights_mb_per_token"] < 0.45 * rows["ours eager float32"]["weights_mb_per_token"]
+
+
+def test_benchmark_bad_inputs(tiny_checkpoint):
+    cases = [
+        (["--configs", "fast:float32"], "bad config 'fast:float32'"),
+        (["--peers", "vllm"], "unknown peer(s) vllm"),
+        (["--checkpoint_path", str(tiny_checkpoint), "--peers", "llama.cpp"], "--peers needs --gguf"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
+        (["--checkpoint_path", "/nonexistent/model.pth", "--configs", "eager:float32"], "error: checkpoint not found"),
+    ]
+    for args, message in cases:
+        result = run_benchmark(*args)
+        assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, args
