@@ -121,6 +121,11 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2))
         self.register_buffer("packed", None, persistent=False)
+        # CPU only, for one-row compiled steps (see forward): byte j holds inputs j and j + K/2, and the
+        # group scales and zeros as [N, K / groupsize] float32.
+        self.register_buffer("halves", None, persistent=False)
+        self.register_buffer("group_scales", None, persistent=False)
+        self.register_buffer("group_zeros", None, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
@@ -133,8 +138,29 @@ class Int4Linear(nn.Module):
             rows = range(0, self.out_features, 256)
             pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
             self.packed = torch.cat([pack(unpack_int4(self.weight[i : i + 256]).int(), 2) for i in rows])
+            half = self.in_features // 2
+            if half % self.groupsize == 0:
+                codes = torch.cat([unpack_int4(self.weight[i : i + 256]) for i in rows])
+                self.halves = codes[:, :half] | codes[:, half:] << 4
+                self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
+                self.group_zeros = self.scales_and_zeros[..., 1].T.float().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.halves is not None and fused_matvec(x):
+            # One row under torch.compile on a CPU: a multiply-and-sum that inductor fuses into one pass
+            # over the 4-bit codes, like linear(); the halves layout lets it unpack a byte with two
+            # vectorised ops (interleaved nibbles defeat vectorisation). Computed in float32.
+            n, half = self.halves.shape
+            groups = half // self.groupsize
+            xs = x.reshape(2, groups, self.groupsize).float()
+
+            def part(codes: Tensor, first: int) -> Tensor:
+                g = slice(first, first + groups)
+                w = (codes.view(n, groups, self.groupsize).float() - 8) * self.group_scales[:, g, None]
+                return (xs[first // groups] * (w + self.group_zeros[:, g, None])).sum((-1, -2))
+
+            y = (part(self.halves & 15, 0) + part(self.halves >> 4, groups)).to(x.dtype).reshape(*x.shape[:-1], n)
+            return y if self.bias is None else y + self.bias
         x2d = x.reshape(-1, self.in_features)
         if x.is_cuda:  # the CUDA kernel takes bfloat16 only
             sz = self.scales_and_zeros.to(torch.bfloat16)
