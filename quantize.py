@@ -137,10 +137,10 @@ class Int4Linear(nn.Module):
         else:  # rows pack independently; chunks keep the int32 temporaries small (they fragment the heap)
             rows = range(0, self.out_features, 256)
             pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-            self.packed = torch.cat([pack(unpack_int4(self.weight[i : i + 256]).int(), 2) for i in rows])
+            codes = unpack_int4(self.weight)
+            self.packed = torch.cat([pack(codes[i : i + 256].int(), 2) for i in rows])
             half = self.in_features // 2
             if half % self.groupsize == 0:
-                codes = torch.cat([unpack_int4(self.weight[i : i + 256]) for i in rows])
                 self.halves = codes[:, :half] | codes[:, half:] << 4
                 self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
                 self.group_zeros = self.scales_and_zeros[..., 1].T.float().contiguous()
@@ -154,12 +154,12 @@ class Int4Linear(nn.Module):
             groups = half // self.groupsize
             xs = x.reshape(2, groups, self.groupsize).float()
 
-            def part(codes: Tensor, first: int) -> Tensor:
-                g = slice(first, first + groups)
+            def part(codes: Tensor, i: int) -> Tensor:  # inputs i * K/2 .. (i + 1) * K/2
+                g = slice(i * groups, (i + 1) * groups)
                 w = (codes.view(n, groups, self.groupsize).float() - 8) * self.group_scales[:, g, None]
-                return (xs[first // groups] * (w + self.group_zeros[:, g, None])).sum((-1, -2))
+                return (xs[i] * (w + self.group_zeros[:, g, None])).sum((-1, -2))
 
-            y = (part(self.halves & 15, 0) + part(self.halves >> 4, groups)).to(x.dtype).reshape(*x.shape[:-1], n)
+            y = (part(self.halves & 15, 0) + part(self.halves >> 4, 1)).to(x.dtype).reshape(*x.shape[:-1], n)
             return y if self.bias is None else y + self.bias
         x2d = x.reshape(-1, self.in_features)
         if x.is_cuda:  # the CUDA kernel takes bfloat16 only

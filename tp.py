@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from model import ModelArgs, Transformer
+from model import Linear, ModelArgs, Transformer
 from quantize import Int4Linear, Int8Linear
 
 # A rank waits this long for the others in a collective before giving up: a dead or hung peer ends the job
@@ -149,7 +149,7 @@ def apply_tp(model: Transformer, shard: Shard):
         ff.register_forward_hook(all_reduce_output)
     if c.vocab_size % shard.world_size == 0:  # otherwise every rank computes all the logits
         if model.output is None:  # tied: the output projection becomes a slice of the embedding table
-            model.output = nn.Linear(c.dim, c.vocab_size, bias=False, device="meta")
+            model.output = Linear(c.dim, c.vocab_size, bias=False, device="meta")
             model.output.weight = nn.Parameter(model.tok_embeddings.weight, requires_grad=False)
         keep_outputs(model.output, [part(c.vocab_size, shard)])
         model.output.register_forward_hook(all_gather_output)

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from generate import (  # noqa: E402
     DEFAULT_CHECKPOINT, compile_steps, ensure_caches, generate, load_model, model_size_bytes, resolve_checkpoint,
+    synchronize,
 )  # fmt: skip
 from model import ModelArgs, Transformer  # noqa: E402
 from quantize import quantize_model  # noqa: E402
@@ -72,11 +73,6 @@ def parse_configs(text: str) -> list[tuple[bool, str]]:
             raise ValueError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}")
         configs.append((mode == "compiled", precision))
     return configs
-
-
-def synchronize(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth_gb_s(device: torch.device, megabytes: int = 512) -> float:
@@ -133,12 +129,9 @@ def our_entry(args, compiled: bool, precision: str, prompt: list[int], draft=Non
         return base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize)
 
     model, memory = measure_memory(args.device, build)
-    steps = compile_steps(args.device) if compiled else {}
-    fns = {}
-    if compiled:  # the decode step; the prefill stays eager (compiling it for dynamic shapes costs minutes here)
-        fns = dict(decode_fn=steps["decode_fn"])
-        if draft is not None:
-            fns.update(draft_fn=steps["draft_fn"], verify_fn=steps["verify_fn"])
+    # Compiled: the decode steps; the prefill stays eager (compiling it for dynamic shapes costs minutes here).
+    names = ("decode_fn", "draft_fn", "verify_fn") if draft is not None else ("decode_fn",)
+    fns = {name: fn for name, fn in compile_steps(args.device).items() if name in names} if compiled else {}
     extra = dict(draft_model=draft, speculate_k=args.speculate_k) if draft is not None else {}
     ahead = args.speculate_k + 1 if draft is not None else 0
     for m in (model, draft) if draft is not None else (model,):
