@@ -53,6 +53,10 @@ def test_matches_transformers(tmp_path, tiny_tokenizer_json, name):
         model.setup_caches(2, 64)
         chunks = torch.cat([model(x[:, :16], torch.arange(16)), model(x[:, 16:], torch.arange(16, 48))], dim=1)
         assert (chunks - full).abs().max() < 1e-4
+        # A prefill that asks for the last position's logits only (what generation samples from).
+        model.setup_caches(2, 64)
+        last = model(x, torch.arange(48), last_only=True)
+        assert last.shape == (2, 1, hf.config.vocab_size) and (last - reference[:, -1:]).abs().max() < 1e-4
 
     prompt = torch.randint(0, hf.config.vocab_size, (7,))
     ours = generate(model, prompt, 32).tokens[0]
