@@ -11,14 +11,14 @@ least window - stride tokens of context.
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-from generate import DEFAULT_CHECKPOINT, load_model, resolve_checkpoint
+from checkpoint import DEFAULT_CHECKPOINT, parse_device, resolve_checkpoint, user_errors
+from generate import load_model
 from quantize import default_text
-from tokenizer import load_tokenizer
+from tokenizer import load_tokenizer, read_text
 
 
 @torch.no_grad()
@@ -39,33 +39,35 @@ def perplexity(model, tokens: list[int], window: int, stride: int) -> float:
     return math.exp(nll / counted), counted
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="any model*.pth")
     parser.add_argument("--text_file", type=Path, help="text to score (default: Python's pydoc topics)")
     parser.add_argument("--max_tokens", type=int, default=4096, help="score the text's last N tokens")
     parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass (capped by block_size)")
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
-    opts = parser.parse_args()
-    opts.stride = opts.stride or opts.window // 2
-    if opts.max_tokens < 2 or opts.window < 2 or not 0 < opts.stride <= opts.window:
+    opts = parser.parse_args(argv)
+    stride = opts.window // 2 if opts.stride is None else opts.stride
+    if opts.max_tokens < 2 or opts.window < 2 or not 0 < stride <= opts.window:
         parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride <= --window")
     try:
-        model = load_model(opts.checkpoint_path, opts.device, torch.float32)
+        device = parse_device(opts.device)
+    except ValueError as e:
+        parser.error(str(e))
+    with user_errors():
+        text = read_text(opts.text_file) if opts.text_file else default_text()
+        model = load_model(opts.checkpoint_path, device, torch.float32)
         tokenizer = load_tokenizer(resolve_checkpoint(opts.checkpoint_path).parent)
-        text = opts.text_file.read_text() if opts.text_file else default_text()
         tokens = tokenizer.encode(text)[-opts.max_tokens :]
         if len(tokens) < 2:
-            raise ValueError("the text has fewer than 2 tokens")
+            raise ValueError(f"{opts.text_file or 'the text'}: fewer than 2 tokens")
         window = min(opts.window, model.config.block_size)
-        ppl, counted = perplexity(model, tokens, window, min(opts.stride, window))
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
-    print(f"perplexity {ppl:.4f} over {counted} tokens ({opts.checkpoint_path})")
-    if opts.json:
-        print(json.dumps({"perplexity": ppl, "tokens": counted}))
+        ppl, counted = perplexity(model, tokens, window, min(stride, window))
+        print(f"perplexity {ppl:.4f} over {counted} tokens ({opts.checkpoint_path})")
+        if opts.json:
+            print(json.dumps({"perplexity": ppl, "tokens": counted}))
 
 
 if __name__ == "__main__":

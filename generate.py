@@ -11,7 +11,9 @@ host looks at the tokens only to stream them or, every few steps, to check wheth
 """
 import argparse
 import contextlib
+import itertools
 import json
+import math
 import os
 import resource
 import sys
@@ -24,11 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import tp
+from checkpoint import DEFAULT_CHECKPOINT, DTYPES, load_checkpoint, parse_device, resolve_checkpoint, user_errors
 from model import ModelArgs, Transformer
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer, read_text
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
 CHAT_CACHE_LENGTH = 2048  # KV cache positions of an interactive conversation (capped by block_size)
 
@@ -49,6 +50,9 @@ class SamplingParams:
     logprobs: int | None = None  # report the chosen token's log-probability and this many top alternatives
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -61,10 +65,21 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        check_seed(self.seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_seed(seed: int | None):
+    if seed is not None and not 0 <= seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+
+
+def check_logprobs(params: SamplingParams, vocab_size: int):
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"logprobs {params.logprobs} exceeds the vocabulary size ({vocab_size})")
 
 
 KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -169,6 +184,7 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, *, start_po
     start at its first real token. start_pos > 0 continues a sequence whose first start_pos positions
     are in the cache already (batch 1)."""
     device = model.tok_embeddings.weight.device
+    check_logprobs(params, model.config.vocab_size)
     lengths = [len(row) for row in rows]
     width = max(lengths)
     if start_pos and len(rows) > 1:
@@ -581,7 +597,11 @@ class Chat:
 
     def __init__(self, model, tokenizer, *, system=None, max_new_tokens=256, cache_length=CHAT_CACHE_LENGTH, **stream_kwargs):
         self.model, self.tokenizer, self.max_new_tokens, self.stream_kwargs = model, tokenizer, max_new_tokens, stream_kwargs
-        model.setup_caches(1, min(cache_length, model.config.block_size))
+        cache_length = min(cache_length, model.config.block_size)
+        if max_new_tokens >= cache_length:
+            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a message in the conversation's "
+                             f"{cache_length}-position cache")  # fmt: skip
+        model.setup_caches(1, cache_length)
         self.system = [{"role": "system", "content": system}] if system else []
         self.reset()
 
@@ -594,19 +614,19 @@ class Chat:
         return self.tokenizer.encode("\n".join(m["content"] for m in self.system + messages))
 
     def send(self, text: str):
-        """Yields the reply's text pieces; returns its Generation (see drain)."""
-        self.messages.append({"role": "user", "content": text})
-        ids = self.render(self.messages)
-        while len(ids) + self.max_new_tokens > self.model.max_seq_length and len(self.messages) > 1:
-            self.messages = self.messages[2:]  # the oldest user message and its reply
-            self.dropped_turns += 1
-            ids = self.render(self.messages)
+        """Yields the reply's text pieces; returns its Generation (see drain). A message that cannot fit
+        is refused with a ValueError, and the conversation stays as it was."""
+        messages, dropped = self.messages + [{"role": "user", "content": text}], 0
+        ids = self.render(messages)
+        while len(ids) + self.max_new_tokens > self.model.max_seq_length and len(messages) > 1:
+            messages, dropped = messages[2:], dropped + 1  # the oldest user message and its reply
+            ids = self.render(messages)
         if len(ids) + self.max_new_tokens > self.model.max_seq_length:
-            self.messages.pop()
             raise ValueError(
                 f"this message ({len(ids)} tokens) plus max_new_tokens ({self.max_new_tokens}) does not fit "
                 f"the {self.model.max_seq_length}-position cache"
             )
+        self.messages, self.dropped_turns = messages, self.dropped_turns + dropped
         common = 0
         while common < min(len(ids) - 1, len(self.cached)) and ids[common] == self.cached[common]:
             common += 1
@@ -622,24 +642,6 @@ class Chat:
 # ---------------------------------------------------------------- loading
 
 
-def load_tensor_file(path: Path) -> dict:
-    """torch.load that never runs code from the file, memory-mapped."""
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # UnpicklingError for a pickle with code in it, RuntimeError for a damaged file
-        raise ValueError(f"refusing to load {path}: not a plain tensor file ({type(e).__name__}: {e})") from None
-
-
-def resolve_checkpoint(checkpoint_path: str | Path) -> Path:
-    path = Path(checkpoint_path)
-    if path.is_dir():
-        path = path / "model.pth"
-    if not path.is_file():
-        hint = " (run: bash scripts/prepare.sh)" if path == DEFAULT_CHECKPOINT else ""
-        raise FileNotFoundError(f"checkpoint not found: {path}{hint}")
-    return path
-
-
 def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                shard=None):  # fmt: skip
     """Builds the model on the meta device and assigns the memory-mapped weights: no second copy.
@@ -648,13 +650,14 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
     config = ModelArgs.from_json(path.parent / "config.json")
     with torch.device("meta"):
         model = Transformer(config)
-    state_dict = load_tensor_file(path)
-    quantization = state_dict.pop("quantization", None)
-    if quantization is not None:  # {"quantization": format, "state_dict": tensors}, written by quantize.py
+    state_dict, quantization = load_checkpoint(path)
+    if quantization is not None:
         from quantize import prepare_quantized, swap_in_quantized_modules
 
-        swap_in_quantized_modules(model, quantization)
-        state_dict = state_dict["state_dict"]
+        try:
+            swap_in_quantized_modules(model, quantization)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     if shard is not None:
         tp.check_divisible(config, shard.world_size, quantization)
     try:
@@ -702,14 +705,14 @@ def compile_steps(device: torch.device) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", action="append", help="text to continue; several --prompt make one batch")
+    p.add_argument("--prompt", action="append", type=utf8_text, help="text to continue; several --prompt make one batch")
     p.add_argument("--prompts_file", type=Path, help="one prompt a line, all in one batch")
     p.add_argument("--interactive", action="store_true", help="a conversation on stdin (chat template if any)")
-    p.add_argument("--system", default=None, help="system message for --interactive")
+    p.add_argument("--system", default=None, type=utf8_text, help="system message for --interactive")
     p.add_argument("--num_samples", type=int, default=1, help="number of runs")
     p.add_argument("--max_new_tokens", type=int, default=200, help="tokens to generate at most, per row")
     p.add_argument("--batch_size", type=int, default=1, help="rows generated from each prompt")
-    p.add_argument("--stop", action="append", default=[], help="stop string (may be given several times)")
+    p.add_argument("--stop", action="append", default=[], type=utf8_text, help="stop string (may be given several times)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top_k", type=int, default=200, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
@@ -734,43 +737,52 @@ def parse_args(argv=None):
     for name in ("num_samples", "max_new_tokens", "batch_size", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    if args.tp_timeout_s <= 0:
-        p.error("--tp_timeout_s must be > 0")
+    if not (math.isfinite(args.tp_timeout_s) and args.tp_timeout_s > 0):
+        p.error("--tp_timeout_s must be a finite number > 0")
+    if args.profile is not None and not args.profile.parent.is_dir():
+        p.error(f"--profile {args.profile}: there is no folder {args.profile.parent}")
     try:
         args.sampling = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, logprobs=args.logprobs,
         )  # fmt: skip
+        check_seed(args.seed)
+        args.device = parse_device(args.device)
     except ValueError as e:
         p.error(str(e))
     if "" in args.stop:
         p.error("a stop string is empty")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        p.error(f"unknown --device {args.device!r}: use cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but this PyTorch build or machine has no CUDA GPU")
-    args.device = device
     args.dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.type == "cuda" else torch.float32)
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
-            p.error(f"--prompts_file {args.prompts_file} not found")
-        args.prompt = (args.prompt or []) + [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+            p.error(f"--prompts_file {args.prompts_file}: not a file")
+        try:
+            lines = read_text(args.prompts_file).splitlines()
+        except ValueError as e:
+            p.error(f"--prompts_file {e}")
+        args.prompt = (args.prompt or []) + [line for line in lines if line.strip()]
         if not args.prompt:
             p.error(f"--prompts_file {args.prompts_file} holds no prompt")
     args.prompt = args.prompt or ["Hello, my name is"]
     return args
 
 
+def utf8_text(text: str) -> str:
+    """argparse type of text flags: bytes that are not UTF-8 reach sys.argv as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return text
+
+
 def print_piece(piece: str):
     print(piece, end="", flush=True)
 
 
-def chat_loop(model, tokenizer, args, step_fns, read_line=sys.stdin.readline):
+def chat_loop(model, tokenizer, args, step_fns, read_line):
+    """A conversation on stdin: read_line() gives the next line as bytes (b"" at the end)."""
     chat = Chat(
         model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
         stop=args.stop, **step_fns,
@@ -778,13 +790,17 @@ def chat_loop(model, tokenizer, args, step_fns, read_line=sys.stdin.readline):
     terminal = sys.stdin.isatty()
     if terminal:
         print("Conversation kept in the KV cache. /reset starts over; Ctrl-D ends.", file=sys.stderr)
-    while True:
+    for number in itertools.count(1):
         if terminal:
             print("> ", end="", flush=True)
         line = read_line()
         if not line:
             break
-        text = line.strip()
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError as e:  # one bad line does not end the conversation
+            print(f"error: input line {number} is not valid UTF-8 (byte {e.start}); ignored", file=sys.stderr)
+            continue
         if text == "/reset":
             chat.reset()
             continue
@@ -817,6 +833,7 @@ def run(args, shard=None):
     tokenizer = load_tokenizer(resolve_checkpoint(args.checkpoint_path).parent)
     draft = load_draft(args, tokenizer, shard) if args.draft_checkpoint_path else None
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    check_logprobs(args.sampling, model.config.vocab_size)
     if shard is not None:  # every rank must sample the same tokens: one seed for all, chosen by rank 0
         args.seed = tp.from_rank0(args.seed if args.seed is not None else int(torch.randint(2**62, ())))
     if args.seed is not None:
@@ -829,9 +846,9 @@ def run(args, shard=None):
     if args.interactive:
         if draft is not None:
             raise ValueError("--interactive does not take a draft model")
-        read_line = sys.stdin.readline  # under torchrun: rank 0 reads, and passes each line to the others
+        read_line = sys.stdin.buffer.readline  # under torchrun: rank 0 reads, and passes each line to the others
         if shard is not None:
-            read_line = lambda: tp.from_rank0(sys.stdin.readline() if shard.rank == 0 else None)  # noqa: E731
+            read_line = lambda: tp.from_rank0(sys.stdin.buffer.readline() if shard.rank == 0 else None)  # noqa: E731
         return chat_loop(model, tokenizer, args, step_fns, read_line)
 
     prompts = [tokenizer.encode(p) for p in args.prompt]
@@ -936,11 +953,10 @@ def main(argv=None):
             silence.enter_context(contextlib.redirect_stdout(devnull))
             silence.enter_context(contextlib.redirect_stderr(devnull))
         try:
-            args = parse_args(argv)
-            shard, args.device = tp.maybe_init_dist(args.device, args.tp_timeout_s)
-            run(args, shard)
-        except (ValueError, OSError) as e:
-            sys.exit(1 if quiet else f"error: {e}")
+            with user_errors(quiet):
+                args = parse_args(argv)
+                shard, args.device = tp.maybe_init_dist(args.device, args.tp_timeout_s)
+                run(args, shard)
         except RuntimeError as e:  # under torchrun, mostly a collective failing: a rank died or hung
             if shard is None:
                 raise

@@ -6,7 +6,9 @@ which scripts/convert_hf_checkpoint.py permutes into this one.
 """
 import json
 import math
+import os
 from dataclasses import MISSING, dataclass, fields
+from typing import get_args
 from pathlib import Path
 
 import torch
@@ -33,22 +35,33 @@ class ModelArgs:
     attention_out_bias: bool = False  # bias on the attention output projection
 
     def __post_init__(self):
+        # Types first: a config is user input, and a wrong type would fail later with an obscure error.
+        for f in fields(self):
+            value, allowed = getattr(self, f.name), get_args(f.type) or (f.type,)
+            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)  # JSON writes 10000.0 as 10000
+                setattr(self, f.name, value)
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{f.name} must be {names}, got {value!r}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_head
         if self.head_dim is None:
-            if self.dim % self.n_head:
-                raise ValueError(f"config: dim {self.dim} is not divisible by n_head {self.n_head}; give head_dim")
-            self.head_dim = self.dim // self.n_head
+            if self.n_head > 0 and self.dim % self.n_head:
+                raise ValueError(f"dim {self.dim} is not divisible by n_head {self.n_head}; give head_dim")
+            self.head_dim = self.dim // max(self.n_head, 1)
         for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("rope_base", "norm_eps"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {getattr(self, name)!r}")
         if self.n_head % self.n_kv_heads:
-            raise ValueError(f"config: n_head {self.n_head} is not divisible by n_kv_heads {self.n_kv_heads}")
+            raise ValueError(f"n_head {self.n_head} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"config: head_dim {self.head_dim} must be even for rotary embeddings")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
-            raise ValueError(f"config: unsupported rope_scaling {self.rope_scaling!r} (only 'llama3' is supported)")
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            check_rope_scaling(self.rope_scaling)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelArgs":
@@ -56,9 +69,11 @@ class ModelArgs:
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            data = json.loads(path.read_bytes())
+        except ValueError as e:  # not JSON, or not UTF-8
             raise ValueError(f"config {path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config {path}: expected a JSON object of fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -66,10 +81,27 @@ class ModelArgs:
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
         if missing:
             raise ValueError(f"config {path}: missing fields {missing}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"config {path}: {e}") from None
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2)
+
+
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def check_rope_scaling(scaling: dict):
+    if scaling.get("rope_type") != "llama3":
+        raise ValueError(f"unsupported rope_scaling {scaling!r} (only 'llama3' is supported)")
+    for key in LLAMA3_SCALING_KEYS:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"rope_scaling {key} must be a positive number, got {value!r}")
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("rope_scaling high_freq_factor must exceed low_freq_factor")
 
 
 class KVCache(nn.Module):
@@ -106,11 +138,23 @@ class Transformer(nn.Module):
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's block_size {self.config.block_size}")
         dtype = dtype or self.tok_embeddings.weight.dtype
         device = self.tok_embeddings.weight.device
-        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         c = self.config
-        for layer in self.layers:
-            attn = layer.attention  # its own KV heads: fewer than the model's under tensor parallelism
-            attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype).to(device)
+        heads = sum(layer.attention.n_kv_heads for layer in self.layers)  # fewer per rank under tensor parallelism
+        size = 2 * heads * max_batch_size * max_seq_length * c.head_dim * dtype.itemsize
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.type == "cpu" else None
+        if memory is not None and size > memory:  # the allocation would not fail cleanly: the OOM killer ends us
+            raise ValueError(f"a KV cache of {max_batch_size} rows x {max_seq_length} positions needs "
+                             f"{size / 1e9:.1f} GB, more than this machine's {memory / 1e9:.1f} GB")  # fmt: skip
+        try:
+            for layer in self.layers:
+                attn = layer.attention
+                with torch.device(device):
+                    attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype)
+        except torch.OutOfMemoryError:
+            self.max_batch_size = self.max_seq_length = -1  # the layers' caches are mixed now: set up anew next time
+            raise ValueError(f"a KV cache of {max_batch_size} rows x {max_seq_length} positions ({size / 1e9:.1f} GB) "
+                             f"does not fit in the free memory of {device}") from None  # fmt: skip
+        self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
         self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
 

@@ -13,16 +13,15 @@ The int4 file stores a device-neutral packing (two 4-bit values a byte); the lay
 kernels (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU) is made at load time.
 """
 import argparse
-import os
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from checkpoint import load_checkpoint, resolve_checkpoint, save_atomic, user_errors
 from model import Transformer, fused_matvec, linear
+from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1
 MODES = ("int8", "int4", "int4-gptq")
@@ -355,20 +354,6 @@ def output_path(checkpoint_path: Path, mode: str, groupsize: int | None) -> Path
     return checkpoint_path.with_name(checkpoint_path.stem + suffix + ".pth")
 
 
-def save_atomic(obj, path: Path):
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is an ordinary file
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def quantize_checkpoint(
     checkpoint_path: Path,
     mode: str,
@@ -378,15 +363,14 @@ def quantize_checkpoint(
     calibration_seq_length: int = 512,
     act_order: bool = False,
 ) -> Path:
-    from generate import load_model, load_tensor_file, resolve_checkpoint
-    from tokenizer import load_tokenizer
+    from generate import load_model
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode != "int8" and groupsize not in GROUPSIZES:
         raise ValueError(f"groupsize {groupsize} is not supported; choose from {', '.join(map(str, GROUPSIZES))}")
     checkpoint_path = resolve_checkpoint(checkpoint_path)
-    if "quantization" in load_tensor_file(checkpoint_path):
+    if load_checkpoint(checkpoint_path)[1] is not None:
         raise ValueError(f"{checkpoint_path} is already quantized; quantize the floating-point model.pth")
     model = load_model(checkpoint_path, "cpu", torch.float32)
     for name, linear in quantized_linears(model):
@@ -418,7 +402,7 @@ def default_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="the floating-point model.pth")
     parser.add_argument("--mode", required=True, choices=MODES)
@@ -427,18 +411,16 @@ def main():
     parser.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")
     parser.add_argument("--calibration_seq_length", type=int, default=512, help="GPTQ: tokens per sequence")
     parser.add_argument("--act_order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.calibration_samples < 1 or opts.calibration_seq_length < 1:
         parser.error("--calibration_samples and --calibration_seq_length must be >= 1")
-    try:
-        text = opts.calibration_file.read_text() if opts.calibration_file else None
+    with user_errors():
+        text = read_text(opts.calibration_file) if opts.calibration_file else None
         out = quantize_checkpoint(
             opts.checkpoint_path, opts.mode, opts.groupsize, text, opts.calibration_samples,
             opts.calibration_seq_length, opts.act_order,
         )  # fmt: skip
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 
 if __name__ == "__main__":

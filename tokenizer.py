@@ -9,6 +9,7 @@ Special ids and the chat template come from tokenizer_config.json / generation_c
 chat_template.jinja beside the tokenizer, as Hugging Face writes them.
 """
 import base64
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,10 @@ class Tokenizer:
     special_tokens: dict = field(default_factory=dict)  # e.g. {"bos_token": "<s>"} for the template
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: what Python makes of invalid UTF-8 bytes in argv
+            raise ValueError(f"text is not valid UTF-8: {text[:40]!r}") from None
         return self.encode_fn(text, bos)
 
     def decode(self, ids) -> str:
@@ -56,18 +61,13 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
         from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message):
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
-        )
-        env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        try:
+            return compile_chat_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except TemplateError as e:  # the template's own raise_exception() ("roles must alternate", ...) too
+            raise ValueError(f"chat template: {e}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself.
@@ -85,7 +85,8 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     else:
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {folder}")
     # tokenizer_config.json and generation_config.json, where present, name the special tokens.
-    specials = {k: token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    specials = {k: token_content(config.get(k), folder / "tokenizer_config.json", k)
+                for k in ("bos_token", "eos_token", "pad_token", "unk_token")}  # fmt: skip
     specials = {k: v for k, v in specials.items() if v is not None}
     if "bos_token" in specials:
         tok.bos_id = tok.token_to_id(specials["bos_token"])
@@ -93,22 +94,68 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     if "eos_token" in specials and tok.token_to_id(specials["eos_token"]) is not None:
         eos_ids.append(tok.token_to_id(specials["eos_token"]))
     generation_eos = read_json(folder / "generation_config.json").get("eos_token_id")
-    if generation_eos is not None:
-        eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
-    tok.eos_ids = sorted(set(eos_ids))
+    generation_eos = [] if generation_eos is None else generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in generation_eos):
+        raise ValueError(f"{folder / 'generation_config.json'}: eos_token_id must be token ids, got {generation_eos!r}")
+    tok.eos_ids = sorted(set(eos_ids + generation_eos))
     tok.special_tokens = specials
     template_file = folder / "chat_template.jinja"
-    tok.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+    if template_file.is_file():
+        tok.chat_template, source = read_text(template_file), template_file
+    else:
+        tok.chat_template, source = config.get("chat_template"), folder / "tokenizer_config.json"
+    if tok.chat_template is not None:
+        from jinja2.exceptions import TemplateError
+
+        try:  # a broken template is reported now, naming its file, not at the first chat message
+            compile_chat_template(tok.chat_template)
+        except (TemplateError, TypeError) as e:
+            raise ValueError(f"{source}: broken chat template: {e}") from None
     return tok
 
 
+@functools.lru_cache(maxsize=4)
+def compile_chat_template(text: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(text)
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
 def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object from path; {} if there is no such file."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
-def token_content(token) -> str | None:
+def token_content(token, path: Path, key: str) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as {"content": ...}.
-    return token.get("content") if isinstance(token, dict) else token
+    content = token.get("content") if isinstance(token, dict) else token
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"{path}: {key} must be a string, got {token!r}")
+    return content
 
 
 def is_tiktoken_file(path: Path) -> bool:
@@ -124,7 +171,10 @@ def is_tiktoken_file(path: Path) -> bool:
 def hf_tokenizer(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
-    tok = HFTokenizer.from_file(str(path))
+    try:
+        tok = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for a damaged file
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e})") from None
     # The post-processor decides whether BOS is added, as in transformers.
     return Tokenizer(
         encode_fn=lambda text, bos: tok.encode(text, add_special_tokens=bos).ids,
@@ -141,7 +191,7 @@ def sentencepiece_tokenizer(path: Path) -> Tokenizer:
     try:
         sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
     except Exception as e:
-        raise ValueError(f"{path} is neither a SentencePiece model nor a tiktoken BPE file ({e})") from None
+        raise ValueError(f"{path}: neither a SentencePiece model nor a tiktoken BPE file ({e})") from None
     bos = sp.bos_id() if sp.bos_id() >= 0 else None
 
     def token_to_id(piece):
@@ -161,7 +211,10 @@ def tiktoken_tokenizer(path: Path) -> Tokenizer:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    ranks = load_tiktoken_bpe(str(path))
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except Exception as e:  # a line that is not "<base64 token> <rank>"
+        raise ValueError(f"{path}: not a readable tiktoken BPE file ({type(e).__name__}: {e})") from None
     names = LLAMA3_NAMED_SPECIAL_TOKENS + [
         f"<|reserved_special_token_{i}|>" for i in range(2, LLAMA3_NUM_SPECIAL_TOKENS - len(LLAMA3_NAMED_SPECIAL_TOKENS) + 2)
     ]

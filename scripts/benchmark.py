@@ -29,10 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from generate import (  # noqa: E402
-    DEFAULT_CHECKPOINT, compile_steps, ensure_caches, generate, load_model, model_size_bytes, resolve_checkpoint,
-    synchronize,
-)  # fmt: skip
+from checkpoint import DEFAULT_CHECKPOINT, parse_device, resolve_checkpoint, user_errors  # noqa: E402
+from generate import compile_steps, ensure_caches, generate, load_model, model_size_bytes, synchronize  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from quantize import quantize_model  # noqa: E402
 
@@ -310,7 +308,10 @@ def parse_args(argv=None):
     for name in ("prompt_length", "new_tokens", "rounds", "threads", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    args.device = torch.device(args.device)
+    try:
+        args.device = parse_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     if args.gguf is None and args.peers:
         if args.shape or Path(args.checkpoint_path) != DEFAULT_CHECKPOINT:
             p.error("--peers needs --gguf: the same model as a GGUF file")
@@ -324,13 +325,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
+    with user_errors():
         benchmark(args)
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
 
 
 def benchmark(args):
+    if args.profile is not None:  # before the long runs, so that a bad folder fails at once
+        args.profile.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     # Each configuration compiles the same step functions for another model: allow them all their graphs.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16 * len(args.configs))
@@ -370,7 +371,6 @@ def benchmark(args):
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}"
                                                            for e in entries), file=sys.stderr)  # fmt: skip
     if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
         for e in entries:
             if e.precision is None:
                 continue

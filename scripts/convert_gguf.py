@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from convert_hf_checkpoint import DTYPES, write_checkpoint  # noqa: E402
+from checkpoint import DTYPES, user_errors  # noqa: E402
+from convert_hf_checkpoint import write_checkpoint  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
 GGUF_LAYER_NAMES = {
@@ -34,11 +35,13 @@ def open_gguf(path: Path):
     try:
         return gguf.GGUFReader(str(path))
     except Exception as e:
-        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def metadata(reader, key: str, default=None):
+def metadata(reader, key: str, default=None, required=False):
     field = reader.fields.get(key)
+    if field is None and required:
+        raise ValueError(f"no {key} in the file's metadata")
     return default if field is None else field.contents()
 
 
@@ -54,31 +57,35 @@ def gguf_config_to_args(reader) -> ModelArgs:
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names or metadata(reader, "llama.rope.scaling.type", "none") != "none":
         raise ValueError("GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead")
-    dim, n_head = metadata(reader, "llama.embedding_length"), metadata(reader, "llama.attention.head_count")
-    head_dim = metadata(reader, "llama.attention.key_length", dim // n_head)
-    if metadata(reader, "llama.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
+    if "token_embd.weight" not in names:
+        raise ValueError("no token_embd.weight tensor (a vocabulary-only GGUF file?)")
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return ModelArgs(
-        dim=dim,
-        n_layer=metadata(reader, "llama.block_count"),
-        n_head=n_head,
-        n_kv_heads=metadata(reader, "llama.attention.head_count_kv", n_head),
-        head_dim=head_dim,
-        intermediate_size=metadata(reader, "llama.feed_forward_length"),
+    args = ModelArgs(
+        dim=metadata(reader, "llama.embedding_length", required=True),
+        n_layer=metadata(reader, "llama.block_count", required=True),
+        n_head=metadata(reader, "llama.attention.head_count", required=True),
+        n_kv_heads=metadata(reader, "llama.attention.head_count_kv"),  # None: as many as n_head
+        head_dim=metadata(reader, "llama.attention.key_length"),  # None: dim // n_head
+        intermediate_size=metadata(reader, "llama.feed_forward_length", required=True),
         vocab_size=int(embedding.shape[-1]),  # ggml lists dimensions innermost first
         block_size=metadata(reader, "llama.context_length", 2048),
         rope_base=float32_value(metadata(reader, "llama.rope.freq_base", 10000.0)),
         norm_eps=float32_value(metadata(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in names,
     )
+    if metadata(reader, "llama.rope.dimension_count", args.head_dim) != args.head_dim:
+        raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
+    return args
 
 
 def gguf_tensor(tensor) -> torch.Tensor:
     """Dequantizes one GGUF tensor to a float32 torch tensor in PyTorch's [out, in] order."""
     from gguf.quants import dequantize
 
-    values = dequantize(tensor.data, tensor.tensor_type)  # numpy, shape reversed from ggml's
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)  # numpy, shape reversed from ggml's
+    except NotImplementedError:
+        raise ValueError(f"tensor {tensor.name}: type {tensor.tensor_type.name} is not supported") from None
     shape = tuple(int(n) for n in reversed(tensor.shape))
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a copy: the reader maps the file read-only
 
@@ -116,28 +123,32 @@ def save_gguf_tokenizer(gguf_path: Path, folder: Path):
     from transformers import AutoTokenizer
 
     gguf_path = Path(gguf_path).resolve()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # transformers' GGUF reader raises many kinds of errors for odd metadata
+        raise ValueError(f"{gguf_path}: could not rebuild its tokenizer ({type(e).__name__}: {e})") from None
     tokenizer.save_pretrained(str(folder))
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> ModelArgs:
     reader = open_gguf(gguf_path)
-    args = gguf_config_to_args(reader)
-    state_dict = convert_gguf_state_dict(reader, args, dtype)
+    try:
+        args = gguf_config_to_args(reader)
+        state_dict = convert_gguf_state_dict(reader, args, dtype)
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: {e}") from None
     write_checkpoint(Path(out_dir), state_dict, args, lambda folder: save_gguf_tokenizer(gguf_path, folder))
     return args
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the dequantized weights")
-    opts = parser.parse_args()
-    try:
+    opts = parser.parse_args(argv)
+    with user_errors():
         args = convert_gguf(opts.gguf, opts.out_dir, DTYPES[opts.dtype])
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
     print(f"wrote {opts.out_dir} ({args.n_layer} layers, dim {args.dim}, vocab {args.vocab_size})")
 
 

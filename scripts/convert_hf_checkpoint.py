@@ -6,7 +6,6 @@ The output folder holds model.pth (our parameter names), config.json (ModelArgs)
 files. It is written to a temporary folder first and renamed at the end, so a failed run leaves nothing.
 """
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -16,8 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from generate import load_tensor_file  # noqa: E402
+from checkpoint import DTYPES, check_tensors, load_tensor_file, save_tensors, user_errors  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
+from tokenizer import load_tokenizer, read_json  # noqa: E402
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -28,7 +28,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def hf_config_to_args(hf: dict) -> ModelArgs:
@@ -40,7 +39,10 @@ def hf_config_to_args(hf: dict) -> ModelArgs:
     if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
         raise ValueError("sliding-window attention is not supported")
     # transformers 5 keeps rope settings in "rope_parameters"; earlier versions in rope_theta / rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters / rope_scaling must be an object, got {rope!r}")
+    rope = dict(rope)
     rope_base = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
@@ -50,17 +52,16 @@ def hf_config_to_args(hf: dict) -> ModelArgs:
         rope_scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
     else:
         raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
-    n_head = hf["num_attention_heads"]
     return ModelArgs(
         dim=hf["hidden_size"],
         n_layer=hf["num_hidden_layers"],
-        n_head=n_head,
-        n_kv_heads=hf.get("num_key_value_heads") or n_head,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        n_head=hf["num_attention_heads"],
+        n_kv_heads=hf.get("num_key_value_heads"),  # None: as many as n_head
+        head_dim=hf.get("head_dim"),  # None: dim // n_head
         intermediate_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         block_size=hf.get("max_position_embeddings", 2048),
-        rope_base=float(rope_base),
+        rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
@@ -81,7 +82,9 @@ def hf_weight_files(checkpoint_dir: Path) -> list[Path]:
     # The index names the shards; some folders also hold other weight files (e.g. consolidated.safetensors).
     for single, index in (("model.safetensors", "model.safetensors.index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (checkpoint_dir / index).is_file():
-            weight_map = json.loads((checkpoint_dir / index).read_text())["weight_map"]
+            weight_map = read_json(checkpoint_dir / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{checkpoint_dir / index}: no weight_map of tensor names to file names")
             return [checkpoint_dir / name for name in sorted(set(weight_map.values()))]
         if (checkpoint_dir / single).is_file():
             return [checkpoint_dir / single]
@@ -89,16 +92,21 @@ def hf_weight_files(checkpoint_dir: Path) -> list[Path]:
 
 
 def iter_hf_tensors(checkpoint_dir: Path):
-    """Yields (name, tensor) one file at a time, memory-mapped where the format allows."""
-    from safetensors import safe_open
-
+    """Yields (name, tensor), one weight file at a time."""
     for path in hf_weight_files(checkpoint_dir):
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        else:
-            yield from load_tensor_file(path).items()
+        yield from read_weight_file(path).items()
+
+
+def read_weight_file(path: Path) -> dict:
+    """One weight file's tensors by name: safetensors, or a .bin loaded without running code from it (mmap)."""
+    if path.suffix != ".safetensors":
+        return check_tensors(load_tensor_file(path), path)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # SafetensorError: a damaged, truncated or missing file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -> dict:
@@ -171,7 +179,7 @@ def write_checkpoint(out_dir: Path, state_dict: dict, args: ModelArgs, fill_toke
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        torch.save(state_dict, tmp / "model.pth")
+        save_tensors(state_dict, tmp / "model.pth", shown_as=out_dir / "model.pth")
         (tmp / "config.json").write_text(args.to_json() + "\n")
         fill_tokenizer(tmp)
         if out_dir.exists():
@@ -191,9 +199,15 @@ def convert_hf_checkpoint(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtyp
         raise FileNotFoundError(f"no config.json in {checkpoint_dir}: is it a Hugging Face model folder?")
     if Path(out_dir).resolve() == checkpoint_dir.resolve():
         raise ValueError("--out_dir must differ from --checkpoint_dir")
-    args = hf_config_to_args(json.loads((checkpoint_dir / "config.json").read_text()))
-    if not any((checkpoint_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {checkpoint_dir}")
+    config_path = checkpoint_dir / "config.json"
+    hf = read_json(config_path)
+    try:
+        args = hf_config_to_args(hf)
+    except KeyError as e:
+        raise ValueError(f"{config_path}: missing field {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
+    load_tokenizer(checkpoint_dir)  # refused now, if missing or damaged, rather than when the checkpoint is used
     state_dict = convert_hf_state_dict(iter_hf_tensors(checkpoint_dir), args, dtype)
 
     def copy_tokenizer(folder: Path):
@@ -205,16 +219,14 @@ def convert_hf_checkpoint(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtyp
     return args
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="Hugging Face model folder")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, help="convert weights to this dtype (default: keep as stored)")
-    opts = parser.parse_args()
-    try:
+    opts = parser.parse_args(argv)
+    with user_errors():
         args = convert_hf_checkpoint(opts.checkpoint_dir, opts.out_dir, DTYPES.get(opts.dtype))
-    except (ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
     print(f"wrote {opts.out_dir} ({args.n_layer} layers, dim {args.dim}, vocab {args.vocab_size})")
 
 

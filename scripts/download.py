@@ -31,6 +31,8 @@ def main():
     opts = parser.parse_args()
     try:
         path = download(opts.repo_id, opts.local_dir, opts.hf_token)
+    except KeyboardInterrupt:
+        sys.exit(130)
     except Exception as e:  # network, authentication and unknown-repo errors all end here
         sys.exit(f"error: could not download {opts.repo_id}: {type(e).__name__}: {e}")
     print(f"downloaded {opts.repo_id} to {path}")

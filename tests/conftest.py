@@ -17,6 +17,30 @@ SAMPLE_TEXT = (
 )
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "numerics: compares numerically different paths; scripts/test.sh runs these twice on AVX-512 CPUs"
+    )
+
+
+@torch.no_grad()
+def assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[int], margin: float):
+    """Greedy continuations of prompt by two numerically different paths (batched and alone, compiled and
+    eager, sharded and not, ours and transformers') must be equal, except that they may part at a near-tie:
+    where model's float32 logits of the two tokens differ by less than margin, a bound on the logit
+    difference between the paths that the caller states. A genuine fault moves logits far more than any
+    such margin and so parts the outputs elsewhere too. What follows a parting is not compared."""
+    part = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if part is None:
+        assert len(got) == len(expected), (got, expected)
+        return
+    ids = prompt + expected[:part]
+    model.setup_caches(1, len(ids))
+    logits = model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1]
+    gap = (logits[got[part]] - logits[expected[part]]).abs().item()
+    assert gap < margin, f"outputs part at token {part} where the logits differ by {gap:.2e} (>= {margin}): {got} vs {expected}"
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_json(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer.json with fewer than TINY_VOCAB tokens, trained on the spot."""
@@ -72,3 +96,43 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer_json) -> Path:
     out = tmp_path_factory.mktemp("ours") / "tiny"
     convert_hf_checkpoint(hf_dir, out)
     return out
+
+
+def write_gguf(path, state_dict, config, tensor_type, arch="llama", skip_keys=()):
+    """Writes our (already interleaved-rotary) weights as a GGUF file (no tokenizer), 2-D weights in tensor_type;
+    metadata keys in skip_keys are left out."""
+    import gguf
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), arch)
+    integers = {"block_count": config.n_layer, "context_length": config.block_size, "embedding_length": config.dim,
+                "feed_forward_length": config.intermediate_size, "attention.head_count": config.n_head,
+                "attention.head_count_kv": config.n_kv_heads, "rope.dimension_count": config.head_dim}  # fmt: skip
+    floats = {"rope.freq_base": config.rope_base, "attention.layer_norm_rms_epsilon": config.norm_eps}
+    for key, value in {**integers, **floats}.items():
+        if f"{arch}.{key}" not in skip_keys:
+            (w.add_uint32 if key in integers else w.add_float32)(f"{arch}.{key}", value)
+    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
+    layer_names = {"attention_norm.weight": "attn_norm.weight", "attention.wo.weight": "attn_output.weight",
+                   "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+                   "feed_forward.w2.weight": "ffn_down.weight", "ffn_norm.weight": "ffn_norm.weight"}  # fmt: skip
+    q, kv = config.n_head * config.head_dim, config.n_kv_heads * config.head_dim
+    for name, t in state_dict.items():
+        parts = name.split(".")
+        if name in names:
+            items = [(names[name], t)]
+        elif parts[3] == "wqkv":
+            qw, kw, vw = t.split([q, kv, kv])
+            items = [(f"blk.{parts[1]}.attn_{p}.weight", x) for p, x in zip("qkv", (qw, kw, vw))]
+        else:
+            items = [(f"blk.{parts[1]}.{layer_names['.'.join(parts[2:])]}", t)]
+        for gname, x in items:
+            x = x.float().numpy()
+            if x.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
+                w.add_tensor(gname, quantize(x, tensor_type), raw_dtype=tensor_type)
+            else:
+                w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -34,16 +34,3 @@ def test_benchmark_rows(tiny_checkpoint):
     assert rows["ours eager float32"]["weights_mb_per_token"] == pytest.approx(read / 1e6)
     # int8 weights: about a quarter of the float32 bytes (plus float32 scales, norms and the embedding row)
     assert rows["ours eager int8"]["weights_mb_per_token"] < 0.45 * rows["ours eager float32"]["weights_mb_per_token"]
-
-
-def test_benchmark_bad_inputs(tiny_checkpoint):
-    cases = [
-        (["--configs", "fast:float32"], "bad config 'fast:float32'"),
-        (["--peers", "vllm"], "unknown peer(s) vllm"),
-        (["--checkpoint_path", str(tiny_checkpoint), "--peers", "llama.cpp"], "--peers needs --gguf"),
-        (["--rounds", "0"], "--rounds must be >= 1"),
-        (["--checkpoint_path", "/nonexistent/model.pth", "--configs", "eager:float32"], "error: checkpoint not found"),
-    ]
-    for args, message in cases:
-        result = run_benchmark(*args)
-        assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, args

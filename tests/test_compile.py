@@ -1,9 +1,16 @@
 """The compiled decode step: the tokens of eager, for batches too, with no recompilation across steps or sampling values."""
+import pytest
 import torch
 import torch._dynamo
+from conftest import assert_same_greedy
 
 from generate import compile_steps, generate, load_model
 
+pytestmark = pytest.mark.numerics
+
+# Compiled and eager logits differ by rounding (fused kernels sum in another order): ~1e-6 on this float32
+# model. Greedy outputs may part only at a tie closer than MARGIN; a miscompiled step differs by far more.
+MARGIN = 1e-4
 PROMPTS = [[7, 8, 9, 10, 11], [3], [20, 21, 22, 23, 24, 25, 26, 27, 28]]  # different lengths: left padding
 
 
@@ -14,11 +21,13 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
     torch._dynamo.reset()
     counters.clear()
     decode_fn = compile_steps(torch.device("cpu"))["decode_fn"]
-    assert generate(model, PROMPTS, 2, decode_fn=decode_fn).tokens == [row[:2] for row in eager]  # compiles
+    generate(model, PROMPTS, 2, decode_fn=decode_fn)  # compiles
     # The cache is set up for these shapes already: 50 more steps must reuse the one graph.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert generate(model, PROMPTS, 50, decode_fn=decode_fn).tokens == eager
+        compiled = generate(model, PROMPTS, 50, decode_fn=decode_fn).tokens
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for prompt, got, expected in zip(PROMPTS, compiled, eager):
+        assert_same_greedy(model, prompt, got, expected, MARGIN)
 
     # Sampling compiles one more graph; new values of every setting reuse it.
     generate(model, PROMPTS, 3, decode_fn=decode_fn, temperature=0.7, seed=0)
@@ -28,5 +37,7 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = generate(model, PROMPTS, 30, decode_fn=decode_fn, **settings).tokens
     assert counters["stats"]["unique_graphs"] == graphs == 2 and not counters["graph_break"]
-    # Same seed, same draws: the compiled sampler picks what the eager one picks.
+    # Same seed, same draws: the compiled sampler picks what the eager one picks. (A draw is the argmax of p / E
+    # over the vocabulary; a relative rounding difference d in p changes it only when the two largest ratios are
+    # within d, which happens to about d / 2 of draws (simulated): with d ~ 1e-6, ~5e-5 over these 90 draws.)
     assert compiled == generate(model, PROMPTS, 30, **settings).tokens

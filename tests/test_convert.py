@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_llama
+from conftest import make_hf_llama, write_gguf
 from convert_gguf import convert_gguf_state_dict, gguf_config_to_args, open_gguf
 from convert_hf_checkpoint import convert_hf_checkpoint
 
@@ -65,59 +65,27 @@ class Exploit:
         return (os.system, ("touch pwned",))
 
 
-def test_booby_trapped_pickle_is_refused(tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("writer", ["pickle", "torch.save"])
+def test_booby_trapped_pickle_is_refused(tmp_path, tiny_checkpoint, monkeypatch, writer):
     import shutil
 
+    monkeypatch.chdir(tmp_path)  # where the trap would touch ./pwned
     folder = tmp_path / "evil"
     shutil.copytree(tiny_checkpoint, folder)
-    with open(folder / "model.pth", "wb") as f:
-        pickle.dump({"tok_embeddings.weight": Exploit()}, f)
+    trap = {"tok_embeddings.weight": Exploit()}
+    if writer == "pickle":
+        (folder / "model.pth").write_bytes(pickle.dumps(trap))
+    else:  # the zip format torch.save writes, which mmap can read: only weights_only stands in the way
+        torch.save(trap, folder / "model.pth")
     with pytest.raises(ValueError, match="refusing to load .*not a plain tensor file"):
         load_model(folder / "model.pth")
-    assert not (tmp_path / "pwned").exists() and not os.path.exists("pwned")
+    assert not (tmp_path / "pwned").exists()
+    # The trap is live: a load that allows code would have run it.
+    torch.load(folder / "model.pth", weights_only=False) if writer == "torch.save" else pickle.loads((folder / "model.pth").read_bytes())
+    assert (tmp_path / "pwned").exists()
 
 
 # ---------------------------------------------------------------- GGUF
-
-
-def write_gguf(path, state_dict, config, tensor_type):
-    """Writes our (already interleaved-rotary) weights as a llama GGUF, 2-D weights in tensor_type."""
-    import gguf
-    from gguf.quants import quantize
-
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(config.n_layer)
-    w.add_context_length(config.block_size)
-    w.add_embedding_length(config.dim)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.n_head)
-    w.add_head_count_kv(config.n_kv_heads)
-    w.add_rope_freq_base(config.rope_base)
-    w.add_layer_norm_rms_eps(config.norm_eps)
-    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
-    layer_names = {"attention_norm.weight": "attn_norm.weight", "attention.wo.weight": "attn_output.weight",
-                   "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
-                   "feed_forward.w2.weight": "ffn_down.weight", "ffn_norm.weight": "ffn_norm.weight"}  # fmt: skip
-    q, kv = config.n_head * config.head_dim, config.n_kv_heads * config.head_dim
-    for name, t in state_dict.items():
-        parts = name.split(".")
-        if name in names:
-            items = [(names[name], t)]
-        elif parts[3] == "wqkv":
-            qw, kw, vw = t.split([q, kv, kv])
-            items = [(f"blk.{parts[1]}.attn_{p}.weight", x) for p, x in zip("qkv", (qw, kw, vw))]
-        else:
-            items = [(f"blk.{parts[1]}.{layer_names['.'.join(parts[2:])]}", t)]
-        for gname, x in items:
-            x = x.float().numpy()
-            if x.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
-                w.add_tensor(gname, quantize(x, tensor_type), raw_dtype=tensor_type)
-            else:
-                w.add_tensor(gname, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 # Relative error bound of each format's round trip on Gaussian weights.

@@ -4,12 +4,15 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 
 from eval import perplexity
 from generate import load_model
+
+pytestmark = pytest.mark.numerics
 
 
 def test_perplexity_matches_transformers(tmp_path, tiny_tokenizer_json):

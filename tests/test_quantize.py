@@ -6,11 +6,15 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, assert_same_greedy
 
 import quantize as qz
+from checkpoint import save_atomic
 from generate import compile_steps, generate, load_model
 from tokenizer import load_tokenizer
+
+
+pytestmark = pytest.mark.numerics
 
 
 def relative_error(a, b):
@@ -29,7 +33,8 @@ def test_int8_linear_matches_float64_reference(bias, batch):
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(96))
     reference = x.double() @ (q.double() * scales.double()[:, None]).T + (layer.bias.double() if bias else 0)
-    # bfloat16 activations in the CPU kernel: about 3 significant digits.
+    # bfloat16 activations in the CPU kernel round each input to 8 significant bits: 2.7e-3 to 3.2e-3 here (AVX2);
+    # a wrong scale, sign or layout gives errors of order 1.
     assert relative_error(layer(x), reference) < 1e-2
 
 
@@ -45,7 +50,7 @@ def test_int4_linear_matches_float64_reference(groupsize):
     layer.weight = qz.pack_int4(codes)
     layer.scales_and_zeros = torch.stack([scales.T, zeros.T], dim=-1)
     layer.prepare()
-    assert relative_error(layer(x), x.double() @ dequantized.double().T) < 1e-2
+    assert relative_error(layer(x), x.double() @ dequantized.double().T) < 1e-2  # as for int8: 3.2e-3 here
 
 
 def test_pack_and_save_round_trips_exactly(tmp_path):
@@ -53,7 +58,7 @@ def test_pack_and_save_round_trips_exactly(tmp_path):
     packed = qz.pack_int4(codes)
     assert packed.shape == (7, 32) and torch.equal(qz.unpack_int4(packed), codes)
     state = {"w": packed, "s": torch.randn(2, 7, 2), "q": torch.randint(-128, 127, (3, 4), dtype=torch.int8)}
-    qz.save_atomic({"quantization": {"version": 1}, "state_dict": state}, tmp_path / "f.pth")
+    save_atomic({"quantization": {"version": 1}, "state_dict": state}, tmp_path / "f.pth")
     loaded = torch.load(tmp_path / "f.pth", weights_only=True)["state_dict"]
     assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
 
@@ -96,7 +101,10 @@ def test_quantized_checkpoints_load_and_stay_close(quantized_checkpoints):
             assert isinstance(model.layers[0].attention.wqkv, qz.Int8Linear if mode == "int8" else qz.Int4Linear)
             assert isinstance(model.output, qz.Int8Linear)
             model.setup_caches(2, 24)
-            assert relative_error(model(x, torch.arange(24)), expected) < (0.05 if mode == "int8" else 0.5), mode
+            # The quantization error itself, large on random weights: int8 0.03, int4 0.33, GPTQ 0.43 here (GPTQ
+            # calibrates on text this random model does not predict). Broken kernels or layouts decorrelate the
+            # logits (relative error ~1.4, as for unrelated logits of the same spread).
+            assert relative_error(model(x, torch.arange(24)), expected) < (0.1 if mode == "int8" else 0.7), mode
 
 
 def run_generate(*args):
@@ -116,9 +124,10 @@ def test_quantized_checkpoints_generate_eager_and_compiled(quantized_checkpoints
         with monkeypatch.context() as m:
             m.setattr(qz, "CPU_KERNEL_DTYPE", torch.float32)
             model = load_model(path)
-            eager = generate(model, prompt, 20, temperature=0.0).tokens
+            eager = generate(model, prompt, 20, temperature=0.0).tokens[0]
             compiled = generate(model, prompt, 20, temperature=0.0, decode_fn=compile_steps(torch.device("cpu"))["decode_fn"])
-        assert compiled.tokens == eager, mode
+            # Both sum float32 products of the same weights, in another order: logits within ~1e-5.
+            assert_same_greedy(model, prompt, compiled.tokens[0], eager, 1e-4)
 
 
 def test_bad_quantization_requests(quantized_checkpoints, tmp_path):
@@ -142,6 +151,3 @@ def test_bad_quantization_requests(quantized_checkpoints, tmp_path):
     shutil.copy(folder / "config.json", tmp_path / "config.json")
     with pytest.raises(ValueError, match="unknown quantized format"):
         load_model(tmp_path / "odd.pth")
-    result = subprocess.run([sys.executable, str(ROOT / "quantize.py"), "--checkpoint_path", str(paths["int4"]), "--mode", "int8"],
-                            capture_output=True, text=True)  # fmt: skip
-    assert result.returncode != 0 and result.stderr.strip().startswith("error:") and "already quantized" in result.stderr

@@ -14,6 +14,8 @@ from generate import (
     sampler_state,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def reference_probs(logits: np.ndarray, temperature, top_k, top_p, min_p) -> np.ndarray:
     """Temperature, top-k, top-p, min-p, in float64, one row at a time, by sorting."""

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
-from conftest import make_hf_llama
+from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 
 import generate as gen
@@ -25,8 +25,11 @@ def pairs(tiny_checkpoint, tiny_tokenizer_json, tmp_path_factory):
 
 
 PROMPT = [5, 17, 42, 7, 99]
+# The target's verify pass (k + 1 positions) and plain decoding (one) differ by rounding: ~1e-6 in float32 logits.
+MARGIN = 1e-4
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("draft_name", ["unrelated", "int8 copy"])
 def test_greedy_equals_plain_decoding(pairs, draft_name):
     target, drafts = pairs
@@ -34,12 +37,13 @@ def test_greedy_equals_plain_decoding(pairs, draft_name):
     accepted = {}
     for k in (1, 2, 4, 8):
         result = gen.generate(target, PROMPT, 40, draft_model=drafts[draft_name], speculate_k=k)
-        assert result.tokens[0] == plain, k
+        assert_same_greedy(target, PROMPT, result.tokens[0], plain, MARGIN)
         accepted[k] = result.speculation["acceptance_rate"]
     if draft_name == "int8 copy":
         assert min(accepted.values()) > 0.5  # a quantized copy agrees with the target most of the time
 
 
+@pytest.mark.numerics
 def test_compiled_greedy_equals_plain_without_recompiling(pairs):
     target, drafts = pairs
     plain = gen.generate(target, PROMPT, 40).tokens[0]
@@ -48,10 +52,11 @@ def test_compiled_greedy_equals_plain_without_recompiling(pairs):
     for name, draft in drafts.items():
         for k in (1, 2, 4, 8):
             result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, **fns)
-            assert result.tokens[0] == plain, (name, k)
+            assert_same_greedy(target, PROMPT, result.tokens[0], plain, MARGIN)
     # Every shape has been seen: another run, rounds included, must not compile anything.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], speculate_k=4, **fns).tokens[0] == plain
+        again = gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], speculate_k=4, **fns).tokens[0]
+    assert_same_greedy(target, PROMPT, again, plain, MARGIN)
 
 
 def tiny_vocab_model(seed: int, layers: int) -> Transformer:

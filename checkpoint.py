@@ -1,0 +1,126 @@
+"""Files a user hands us, and the files we write for them.
+
+Reading never runs code from a file (torch.load with weights_only=True, memory-mapped). Writing goes
+to a temporary file renamed at the end, so a failed run leaves nothing half-written. A fault in a
+user's file or flag is a ValueError or OSError whose message names it; user_errors() turns those into
+one line and a non-zero exit in every script, while any other exception (a bug of ours) keeps its
+traceback.
+"""
+import contextlib
+import os
+import pickle
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def user_errors(quiet: bool = False):
+    """The one error path of a script's main: a fault in the user's input ends the run with one line
+    'error: ...' and status 1 (no line when quiet), Ctrl-C with status 130 and no output."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.exit(130)  # the shell's status for a process ended by SIGINT
+    except BrokenPipeError:  # the reader of our output went away (| head): nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    except (ValueError, OSError) as e:
+        sys.exit(1 if quiet else f"error: {describe(e)}")
+
+
+def describe(e: Exception) -> str:
+    # An OSError from the system ("[Errno 2] No such file or directory: 'x'") reads better as "x: No such file ...".
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return str(e)
+
+
+def parse_device(name: str) -> torch.device:
+    """--device of every script: cpu, cuda or cuda:N, refused unless this machine has it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown --device {name!r}: use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}, but this PyTorch build or machine has no CUDA GPU")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def resolve_checkpoint(checkpoint_path: str | Path) -> Path:
+    """A checkpoint file, or the model.pth of a checkpoint folder."""
+    path = Path(checkpoint_path)
+    if path.is_dir():
+        path = path / "model.pth"
+    if not path.is_file():
+        hint = " (run: bash scripts/prepare.sh)" if path == DEFAULT_CHECKPOINT else ""
+        raise FileNotFoundError(f"checkpoint not found: {path}{hint}")
+    if path.suffix in (".gguf", ".safetensors"):  # a model file of another format: it needs converting first
+        script = "convert_gguf.py --gguf FILE" if path.suffix == ".gguf" else "convert_hf_checkpoint.py --checkpoint_dir FOLDER"
+        raise ValueError(f"{path}: not a checkpoint of ours; convert it first: python scripts/{script} --out_dir checkpoints/NAME")
+    return path
+
+
+def load_tensor_file(path: str | Path) -> dict:
+    """torch.load that never runs code from the file, memory-mapped; the file must hold a dict."""
+    try:
+        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:  # the pickle asks for functions or classes beyond tensors: never run them
+        what = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), "objects other than tensors")
+        raise ValueError(f"refusing to load {path}: not a plain tensor file ({what})") from None
+    except Exception:  # RuntimeError: not a zip file that torch.save wrote (mmap needs one), or a damaged one
+        raise ValueError(f"refusing to load {path}: not a plain tensor file (not written by torch.save, or damaged)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a {type(data).__name__}, not a dict of named tensors")
+    return data
+
+
+def load_checkpoint(path: Path) -> tuple[dict, dict | None]:
+    """A model.pth -> (its tensors by name, its quantization format or None for a floating-point one)."""
+    data = load_tensor_file(path)
+    quantization = data.pop("quantization", None)
+    if quantization is not None:  # {"quantization": format, "state_dict": tensors}, written by quantize.py
+        if not isinstance(quantization, dict) or not isinstance(data.get("state_dict"), dict) or len(data) != 1:
+            raise ValueError(f"{path}: a damaged quantized checkpoint (expected 'quantization' and 'state_dict')")
+        data = data["state_dict"]
+    return check_tensors(data, path), quantization
+
+
+def check_tensors(data: dict, path: Path) -> dict:
+    bad = [name for name, t in data.items() if not isinstance(name, str) or not isinstance(t, torch.Tensor)]
+    if bad:
+        raise ValueError(f"{path}: entry {bad[0]!r} is not a tensor; not a checkpoint")
+    return data
+
+
+def save_atomic(obj, path: Path):
+    """torch.save into a temporary file beside path, renamed to path once complete."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is an ordinary file
+    try:
+        save_tensors(obj, tmp, shown_as=path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_tensors(obj, path, shown_as=None):
+    """torch.save, whose write failures (a full disk, a size limit) are RuntimeErrors: made an OSError naming the file."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"{shown_as or path}: writing failed (disk full or a file size limit?): {first_line}") from None
