@@ -27,7 +27,7 @@ from torch import Tensor
 
 import tp
 from checkpoint import DEFAULT_CHECKPOINT, DTYPES, load_checkpoint, parse_device, resolve_checkpoint, user_errors
-from model import ModelArgs, Transformer
+from model import Kernels, ModelArgs, Transformer, set_kernels
 from tokenizer import Tokenizer, load_tokenizer, read_text
 
 CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
@@ -643,9 +643,10 @@ class Chat:
 
 
 def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               shard=None):  # fmt: skip
+               shard=None, kernels: Kernels = Kernels()):  # fmt: skip
     """Builds the model on the meta device and assigns the memory-mapped weights: no second copy.
-    With a tensor-parallel shard (tp.Shard), keeps this rank's slice only, before moving it to the device."""
+    With a tensor-parallel shard (tp.Shard), keeps this rank's slice only, before moving it to the device.
+    kernels: how a CPU runs the linear layers (Kernels.choose picks the fastest for a run)."""
     path = resolve_checkpoint(checkpoint_path)
     config = ModelArgs.from_json(path.parent / "config.json")
     with torch.device("meta"):
@@ -667,6 +668,7 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
     if shard is not None:
         tp.apply_tp(model, shard)
     model = model.to(device=device, dtype=dtype).eval()
+    set_kernels(model, kernels)
     if quantization is not None:
         prepare_quantized(model)
     return model
@@ -729,6 +731,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--compile_prefill", action="store_true", help="torch.compile the prefill too (dynamic shapes)")
+    p.add_argument("--kernels", choices=("auto", "fused", "library"), default="auto",
+                   help="CPU one-row products: auto (the fastest measured for this CPU and --compile), fused "
+                        "(float32 multiply-and-sum, for compiled steps) or library (BLAS, ATen's int8/int4 kernels)")  # fmt: skip
     p.add_argument("--profile", type=Path, default=None, help="write a torch.profiler trace (.json) of the last run")
     p.add_argument("--json", action="store_true", help="print one JSON object of outputs and figures as last line")
     p.add_argument("--tp_timeout_s", type=float, default=tp.DEFAULT_TIMEOUT_S,
@@ -817,9 +822,9 @@ def chat_loop(model, tokenizer, args, step_fns, read_line):
             print(f"[the conversation outgrew the cache: dropped its {chat.dropped_turns - dropped} oldest turn(s)]", file=sys.stderr)
 
 
-def load_draft(args, tokenizer: Tokenizer, shard):
+def load_draft(args, tokenizer: Tokenizer, shard, kernels: Kernels):
     """The draft model for speculative decoding, checked to share the target's tokenizer."""
-    draft = load_model(args.draft_checkpoint_path, args.device, args.dtype, shard)
+    draft = load_model(args.draft_checkpoint_path, args.device, args.dtype, shard, kernels)
     draft_tokenizer = load_tokenizer(resolve_checkpoint(args.draft_checkpoint_path).parent)
     probe = "Tokenizer check: ünïcödé, 12345, emoji 🙂."
     if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.eos_ids != tokenizer.eos_ids:
@@ -829,9 +834,10 @@ def load_draft(args, tokenizer: Tokenizer, shard):
 
 def run(args, shard=None):
     t0 = time.perf_counter()
-    model = load_model(args.checkpoint_path, args.device, args.dtype, shard)
+    kernels = Kernels.choose(args.device, args.compile, args.kernels)
+    model = load_model(args.checkpoint_path, args.device, args.dtype, shard, kernels)
     tokenizer = load_tokenizer(resolve_checkpoint(args.checkpoint_path).parent)
-    draft = load_draft(args, tokenizer, shard) if args.draft_checkpoint_path else None
+    draft = load_draft(args, tokenizer, shard, kernels) if args.draft_checkpoint_path else None
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     check_logprobs(args.sampling, model.config.vocab_size)
     if shard is not None:  # every rank must sample the same tokens: one seed for all, chosen by rank 0
@@ -941,6 +947,7 @@ def summarize(runs: list[Generation], model: Transformer, device: torch.device, 
         "model_size_gb": size / 1e9,
         "peak_memory_gb": peak_memory_gb(device),
         "compile_time_s": compile_time,
+        "kernels": model.kernels.describe() if device.type == "cpu" else None,
     }
 
 
@@ -957,6 +964,8 @@ def main(argv=None):
                 args = parse_args(argv)
                 shard, args.device = tp.maybe_init_dist(args.device, args.tp_timeout_s)
                 run(args, shard)
+                if shard is not None:
+                    tp.end_rank()
         except RuntimeError as e:  # under torchrun, mostly a collective failing: a rank died or hung
             if shard is None:
                 raise

@@ -104,6 +104,49 @@ def check_rope_scaling(scaling: dict):
         raise ValueError("rope_scaling high_freq_factor must exceed low_freq_factor")
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """How a CPU runs the linear layers: a speed choice made once at load time (see choose), recorded in the
+    run's figures. Numerics follow from it: "fused" computes one-row products in float32; ATen's int8/int4
+    kernels compute with kernel_activations (on x86 they are vectorised for bfloat16 only: float32 is exact
+    but about 10x slower)."""
+
+    float_matvec: str = "library"  # one-row products with float weights: "library" (BLAS) or "fused"
+    quant_matvec: str = "library"  # one-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
+    gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
+    kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
+
+    @classmethod
+    def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto") -> "Kernels":
+        """The fastest measured choice for this CPU (scripts/benchmark.py --kernels shows the measurements).
+
+        "fused" is a multiply-and-sum that torch.compile turns into one pass over the weights in their own
+        dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
+        weights on every CPU measured, and for int8/int4 ones where AVX-512 converts bytes to floats fast
+        enough; on AVX2 ATen's int8/int4 kernels are faster. Widening int8 weights to bfloat16 for a matrix
+        product pays off only with native bfloat16 (AVX512-BF16, AMX): 4x slower than float32 without it."""
+        if matvec not in ("auto", "fused", "library"):
+            raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused or library")
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
+        fused = "fused" if compiled and device.type == "cpu" else "library"
+        if matvec != "auto":
+            return cls(matvec, matvec, torch.bfloat16 if native_bf16 else torch.float32)
+        return cls(fused, fused if avx512 else "library", torch.bfloat16 if native_bf16 else torch.float32)
+
+    def describe(self) -> dict:
+        dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
+        return {"cpu": torch.backends.cpu.get_cpu_capability(), "float_matvec": self.float_matvec,
+                "quant_matvec": self.quant_matvec, **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()}}
+
+
+def set_kernels(model: nn.Module, kernels: Kernels):
+    """Gives every module that computes a linear layer (and the model, for a tied output) this choice."""
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+
+
 class KVCache(nn.Module):
     """Keys and values of every position, stored per KV head (before GQA expansion)."""
 
@@ -122,6 +165,8 @@ class KVCache(nn.Module):
 
 
 class Transformer(nn.Module):
+    kernels = Kernels()  # for the tied output projection, which has no module of its own
+
     def __init__(self, config: ModelArgs):
         super().__init__()
         self.config = config
@@ -172,7 +217,10 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, input_pos, freqs_cis, mask)
         x = self.norm(x[:, -1:] if last_only else x)
-        logits = linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        if self.output is None:
+            logits = linear(x, self.tok_embeddings.weight, fused=self.kernels.float_matvec == "fused")
+        else:
+            logits = self.output(x)
         return logits.float()
 
     def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int) -> tuple[Tensor, Tensor]:
@@ -251,20 +299,11 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def fused_matvec(x: Tensor) -> bool:
-    """Whether linear() takes the multiply-and-sum path: one row, on a CPU, inside torch.compile.
-
-    A one-row product is bound by reading the weights. On the CPU, BLAS's matrix-vector product reads
-    float32 weights at ~15 GB/s here and bfloat16 ones at ~5 GB/s, while inductor turns a multiply-and-sum
-    into one vectorised pass that reads the weights in their own dtype (bfloat16, int8) and widens them
-    in registers: per decode step over SmolLM2's shapes, 2.4x faster than F.linear for bfloat16 weights,
-    1.7x than the int8 kernel, 1.1x for float32. Eager mode would materialise the product: it keeps F.linear."""
-    return x.device.type == "cpu" and x.numel() == x.shape[-1] and torch.compiler.is_compiling()
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
-    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype."""
-    if fused_matvec(x):
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None,
+           fused: bool = False) -> Tensor:  # fmt: skip
+    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. fused (for one row on a
+    CPU): as a float32 multiply-and-sum, which torch.compile fuses into one pass over the weights."""
+    if fused and x.device.type == "cpu" and x.numel() == x.shape[-1]:
         y = (x.reshape(1, -1).float() * weight.float()).sum(-1)
         y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
     elif scales is None:
@@ -275,8 +314,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor
 
 
 class Linear(nn.Linear):
+    kernels = Kernels()
+
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, fused=self.kernels.float_matvec == "fused")
 
 
 class RMSNorm(nn.Module):

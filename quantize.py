@@ -20,13 +20,12 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import load_checkpoint, resolve_checkpoint, save_atomic, user_errors
-from model import Transformer, fused_matvec, linear
+from model import Kernels, Transformer, linear, set_kernels
 from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1
 MODES = ("int8", "int4", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-CPU_KERNEL_DTYPE = torch.bfloat16  # activations of the CPU int8/int4 kernels (measured: see the classes)
 GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for a matrix product
 
 
@@ -68,52 +67,35 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
 
 
-# The CPU kernels wrapped as opaque custom ops: inductor's own lowering of _weight_int8pack_mm (torch
-# 2.13) fails when its input is a fused pointwise result ("LoweringException: AssertionError: Pointwise").
-@torch.library.custom_op("llm_quant::int8_mm_cpu", mutates_args=())
-def int8_mm_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
-    return torch.ops.aten._weight_int8pack_mm(x, weight, scales)
-
-
-@int8_mm_cpu.register_fake
-def _(x, weight, scales):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-@torch.library.custom_op("llm_quant::int4_mm_cpu", mutates_args=())
-def int4_mm_cpu(x: Tensor, packed: Tensor, groupsize: int, scales_and_zeros: Tensor) -> Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, groupsize, scales_and_zeros)
-
-
-@int4_mm_cpu.register_fake
-def _(x, packed, groupsize, scales_and_zeros):
-    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
-
-
 class Int8Linear(nn.Module):
     """y = x @ (int8 weight * per-channel scale).T + bias; the weight stays int8 in memory."""
+
+    kernels = Kernels()
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.empty(out_features))
+        # The scales as the CPU kernel takes them, made by prepare(): a buffer, not a cast in the compiled graph
+        # (inductor's lowering of the kernel needs its scales realised).
+        self.register_buffer("kernel_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def prepare(self):
+        self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
+
     def forward(self, x: Tensor) -> Tensor:
-        # One row under torch.compile on a CPU takes linear()'s fused pass, 1.7x faster than the kernel and
-        # computed in float32 (so a compiled run is more exact than an eager one, which rounds as below).
-        if x.is_cuda or fused_matvec(x):
-            return linear(x, self.weight, self.bias, self.scales)
-        # The CPU kernel is fast with bfloat16 activations only (about 12x slower with float32 ones).
-        x2d = x.reshape(-1, self.in_features).to(CPU_KERNEL_DTYPE)
+        fused = self.kernels.quant_matvec == "fused"
+        if x.is_cuda or fused and x.numel() == self.in_features:  # see model.linear
+            return linear(x, self.weight, self.bias, self.scales, fused=fused)
+        x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] >= GEMM_ROWS:
-            # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product
-            # with the weight widened for the call is faster from ~16 rows ([1536 x 576], 128 rows: 0.43 ms
-            # in bfloat16 vs 2.2 ms): prefill and batches.
-            y = linear(x2d, self.weight, None, self.scales)
+            # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product with
+            # the weight widened for the call is faster from ~16 rows: prefill and large batches.
+            y = linear(x2d.to(self.kernels.gemm_dtype), self.weight, None, self.scales)
         else:
-            y = int8_mm_cpu(x2d, self.weight, self.scales.to(CPU_KERNEL_DTYPE))
+            y = torch.ops.aten._weight_int8pack_mm(x2d.to(self.kernels.kernel_activations), self.weight, self.kernel_scales)
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -121,13 +103,16 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Group-wise asymmetric 4-bit weights; the kernel layout (`packed`) is made by prepare() on the device."""
 
+    kernels = Kernels()
+
     def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2))
         self.register_buffer("packed", None, persistent=False)
-        # CPU only, for one-row compiled steps (see forward): byte j holds inputs j and j + K/2, and the
+        self.register_buffer("kernel_scales_and_zeros", None, persistent=False)  # in the kernels' activation dtype
+        # CPU only, for fused one-row products (see forward): byte j holds inputs j and j + K/2, and the
         # group scales and offsets as [N, K / groupsize] float32, where weight = code * scale + offset.
         self.register_buffer("halves", None, persistent=False)
         self.register_buffer("group_scales", None, persistent=False)
@@ -135,7 +120,10 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
-        """Converts the stored packing to the layout of this device's int4 kernel."""
+        """Converts the stored packing to the layout of this device's int4 kernel, and to the halves layout
+        when one-row products are fused (kernels.quant_matvec) and each half of the inputs holds whole groups."""
+        cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
+        self.kernel_scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16 if cuda else self.kernels.kernel_activations)
         if self.weight.is_cuda:
             # The CUDA layout tiles K by 16 x innerKTiles (8, 4 or 2): take the largest that divides it.
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
@@ -146,7 +134,8 @@ class Int4Linear(nn.Module):
             codes = unpack_int4(self.weight)
             self.packed = torch.cat([pack(codes[i : i + 256].int(), 2) for i in rows])
             half = self.in_features // 2
-            if half % self.groupsize == 0:
+            self.halves = self.group_scales = self.group_offsets = None  # from an earlier choice of kernels
+            if self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
                 self.halves = codes[:, :half] | codes[:, half:] << 4
                 self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
                 # (code - 8) * scale + zero, folded into one multiply-add per weight in forward
@@ -154,10 +143,10 @@ class Int4Linear(nn.Module):
                 self.group_offsets = (zeros - 8 * self.group_scales).contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.halves is not None and fused_matvec(x):
-            # One row under torch.compile on a CPU: a multiply-and-sum that inductor fuses into one pass
-            # over the 4-bit codes, like linear(); the halves layout lets it unpack a byte with two
-            # vectorised ops (interleaved nibbles defeat vectorisation). Computed in float32.
+        if self.halves is not None and x.numel() == self.in_features:
+            # A float32 multiply-and-sum that torch.compile fuses into one pass over the 4-bit codes, like
+            # model.linear; the halves layout lets it unpack a byte with two vectorised ops (interleaved
+            # nibbles defeat vectorisation).
             n, half = self.halves.shape
             groups = half // self.groupsize
             xs = x.reshape(2, groups, self.groupsize).float()
@@ -170,12 +159,11 @@ class Int4Linear(nn.Module):
             y = (part(self.halves & 15, 0) + part(self.halves >> 4, 1)).to(x.dtype).reshape(*x.shape[:-1], n)
             return y if self.bias is None else y + self.bias
         x2d = x.reshape(-1, self.in_features)
+        sz = self.kernel_scales_and_zeros
         if x.is_cuda:  # the CUDA kernel takes bfloat16 only
-            sz = self.scales_and_zeros.to(torch.bfloat16)
             y = torch.ops.aten._weight_int4pack_mm(x2d.to(torch.bfloat16), self.packed, self.groupsize, sz).to(x.dtype)
-        else:  # bfloat16 activations, as for Int8Linear: float32 ones take a path about 25x slower
-            sz = self.scales_and_zeros.to(CPU_KERNEL_DTYPE)
-            y = int4_mm_cpu(x2d.to(CPU_KERNEL_DTYPE), self.packed, self.groupsize, sz)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(sz.dtype), self.packed, self.groupsize, sz)
             y = y.to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -213,7 +201,7 @@ def quantization_format(kind: str, groupsize: int | None, method: str = "rtn") -
             "method": method, "output": "int8", "embedding": "float"}  # fmt: skip
 
 
-def quantize_model(model, kind: str, groupsize: int = 32):
+def quantize_model(model, kind: str, groupsize: int = 32, kernels: Kernels = Kernels()):
     """A round-to-nearest quantized copy ("int8" or "int4") of a floating-point model, built in memory
     the way load_model builds it from a quantized checkpoint (for benchmarks)."""
     fmt = quantization_format(kind, groupsize)
@@ -222,13 +210,15 @@ def quantize_model(model, kind: str, groupsize: int = 32):
         quantized = Transformer(model.config)
     swap_in_quantized_modules(quantized, fmt)
     quantized.load_state_dict(state, assign=True)
+    set_kernels(quantized, kernels)
     prepare_quantized(quantized)
     return quantized.eval()
 
 
 def prepare_quantized(model):
+    """Makes the int4 layouts that each layer's kernels need (so after set_kernels), on its device."""
     for module in model.modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int8Linear, Int4Linear)):
             module.prepare()
 
 

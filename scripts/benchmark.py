@@ -16,9 +16,11 @@ llama.cpp runs through the optional `llama-cpp-python` package (pip install llam
 its F32 / F16 / Q8_0 files are made from the GGUF with the package's own quantize function.
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT_CHECKPOINT, parse_device, resolve_checkpoint, user_errors  # noqa: E402
 from generate import compile_steps, ensure_caches, generate, load_model, model_size_bytes, synchronize  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import Kernels, ModelArgs, Transformer, set_kernels  # noqa: E402
 from quantize import quantize_model  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +45,7 @@ SHAPES = {  # random-weight models of well-known shapes: GPU runs need no downlo
                        rope_base=500000.0),
 }  # fmt: skip
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+MATVECS = ("auto", "fused", "library")
 LLAMA_CPP_TYPES = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_1"}  # comparable formats
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's enum llama_ftype
 
@@ -57,19 +60,28 @@ class Entry:
     weight_bytes: int = 0  # bytes a decode step reads
     memory_mb: float = float("nan")  # RSS growth (CPU) or peak allocated (CUDA) while loading and warming up
     compile_s: float | None = None
+    compiled: bool = False
     runs: list[dict] = field(default_factory=list)
 
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.runs)
 
 
-def parse_configs(text: str) -> list[tuple[bool, str]]:
+@dataclass(frozen=True)
+class Config:
+    compiled: bool
+    precision: str
+    matvec: str  # auto, fused or library: see model.Kernels
+
+
+def parse_configs(text: str) -> list[Config]:
     configs = []
     for item in text.split(","):
-        mode, _, precision = item.strip().partition(":")
-        if mode not in ("eager", "compiled") or precision not in PRECISIONS:
-            raise ValueError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}")
-        configs.append((mode == "compiled", precision))
+        parts = item.strip().split(":")
+        mode, precision, matvec = parts + ["auto"] if len(parts) == 2 else parts if len(parts) == 3 else ("",) * 3
+        if mode not in ("eager", "compiled") or precision not in PRECISIONS or matvec not in MATVECS:
+            raise ValueError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}[:{'|'.join(MATVECS)}]")
+        configs.append(Config(mode == "compiled", precision, matvec))
     return configs
 
 
@@ -117,16 +129,21 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Transf
     return model.eval()
 
 
-def our_entry(args, compiled: bool, precision: str, prompt: list[int], draft=None) -> Entry:
+def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False) -> Entry:
+    compiled, precision = config.compiled, config.precision
+    kernels = Kernels.choose(args.device, compiled, config.matvec)
+
     def build():
+        dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
         if args.shape:
-            base = random_model(args.shape, args.device, torch.bfloat16 if precision == "bfloat16" else torch.float32)
+            base = random_model(args.shape, args.device, dtype)
+            set_kernels(base, kernels)
         else:
-            dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-            base = load_model(args.checkpoint_path, args.device, dtype)
-        return base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize)
+            base = load_model(args.checkpoint_path, args.device, dtype, kernels=kernels)
+        return base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize, kernels)
 
     model, memory = measure_memory(args.device, build)
+    draft = load_model(args.draft, args.device, torch.float32, kernels=kernels) if with_draft else None
     # Compiled: the decode steps; the prefill stays eager (compiling it for dynamic shapes costs minutes here).
     names = ("decode_fn", "draft_fn", "verify_fn") if draft is not None else ("decode_fn",)
     fns = {name: fn for name, fn in compile_steps(args.device).items() if name in names} if compiled else {}
@@ -143,8 +160,10 @@ def our_entry(args, compiled: bool, precision: str, prompt: list[int], draft=Non
             "decode_tokens_per_s": (len(result.tokens[0]) - 1) / result.decode_time_s,
         }
 
-    name = f"ours {'compiled' if compiled else 'eager'} {precision}" + (f" + draft (k={args.speculate_k})" if draft else "")
-    entry = Entry(name, run, precision, model_size_bytes(model), memory)
+    matvec = kernels.float_matvec if precision in ("float32", "bfloat16") else kernels.quant_matvec
+    path = f" ({matvec})" if args.device.type == "cpu" else ""
+    name = f"ours {'compiled' if compiled else 'eager'} {precision}{path}" + (f" + draft (k={args.speculate_k})" if draft else "")
+    entry = Entry(name, run, precision, model_size_bytes(model), memory, compiled=compiled)
     start = time.perf_counter()
     entry.run()  # warm-up: compiles, if compiled
     entry.compile_s = time.perf_counter() - start if compiled else None
@@ -284,24 +303,33 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth or its folder")
     p.add_argument("--shape", choices=SHAPES, default=None, help="a random-weight model of this shape instead")
     p.add_argument("--configs", default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
-                   help="comma-separated eager|compiled:float32|bfloat16|int8|int4")  # fmt: skip
+                   help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library]; the last "
+                        "part picks the CPU one-row kernels (auto: the fastest for this CPU, see model.Kernels)")  # fmt: skip
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
     p.add_argument("--draft", type=Path, default=None, help="also each config with this draft model (speculative)")
-    p.add_argument("--speculate_k", type=int, default=4)
+    p.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument("--peers", default="", help="comma-separated: llama.cpp, transformers")
     p.add_argument("--gguf", type=Path, default=None, help="the peers' model file (default: the SmolLM2 GGUF)")
-    p.add_argument("--prompt_length", type=int, default=128)
-    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--prompt_length", type=int, default=128, help="random prompt tokens (the prefill)")
+    p.add_argument("--new_tokens", type=int, default=128, help="greedy tokens generated (the decode)")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each configuration (medians reported)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads, ours and the peers'")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
+                        "same way (compiled or eager) in this run")  # fmt: skip
     args = p.parse_args(argv)
     try:
         args.configs = parse_configs(args.configs)
     except ValueError as e:
         p.error(str(e))
+    if args.check and not any(
+        c.precision in ("int8", "int4") and any(f.precision == "float32" and f.compiled == c.compiled for f in args.configs)
+        for c in args.configs
+    ):
+        p.error("--check compares int8/int4 with float32 run the same way: give both in --configs")
     args.peers = [peer for peer in args.peers.split(",") if peer]
     if unknown := set(args.peers) - {"llama.cpp", "transformers"}:
         p.error(f"unknown peer(s) {', '.join(sorted(unknown))}: use llama.cpp, transformers")
@@ -345,20 +373,17 @@ def benchmark(args):
     print(f"copy bandwidth: {bandwidth:.1f} GB/s (read + write); {args.threads} threads; {args.device}", file=sys.stderr)
 
     entries = []
-    draft = None
-    if args.draft is not None:
-        draft = load_model(args.draft, args.device, torch.float32)
-    for compiled, precision in args.configs:
-        print(f"preparing ours {'compiled' if compiled else 'eager'} {precision} ...", file=sys.stderr)
-        entries.append(our_entry(args, compiled, precision, prompt))
-        if draft is not None:
-            entries.append(our_entry(args, compiled, precision, prompt, draft))
+    for config in args.configs:
+        print(f"preparing ours {config} ...", file=sys.stderr)
+        entries.append(our_entry(args, config, prompt))
+        if args.draft is not None:
+            entries.append(our_entry(args, config, prompt, with_draft=True))
     if "llama.cpp" in args.peers:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             sys.exit("error: --peers llama.cpp needs the llama-cpp-python package (pip install llama-cpp-python)")
-        for kind in sorted({LLAMA_CPP_TYPES[p] for _, p in args.configs}, key=list(LLAMA_FTYPES).index):
+        for kind in sorted({LLAMA_CPP_TYPES[c.precision] for c in args.configs}, key=list(LLAMA_FTYPES).index):
             print(f"preparing llama.cpp {kind} ...", file=sys.stderr)
             entries.append(llama_cpp_entry(gguf_variant(args.gguf, kind, args.threads), kind, prompt, args))
     if "transformers" in args.peers:
@@ -381,11 +406,49 @@ def benchmark(args):
             print(f"\n{e.name}: trace in {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
     text, rows = table(entries, bandwidth, args.device)
+    cpu = cpu_description()
     print(f"\n{args.shape or args.checkpoint_path}, batch 1, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
-          f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n")  # fmt: skip
+          f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n"
+          f"CPU: {cpu}\n")  # fmt: skip
     print(text)
     if args.json:
-        print(json.dumps({"copy_bandwidth_gb_s": bandwidth, "rows": rows}))
+        print(json.dumps({"copy_bandwidth_gb_s": bandwidth, "cpu": cpu, "rows": rows}))
+    if args.check:
+        slower = quantized_slower_than_float32(entries)
+        for line in slower:
+            print(f"check failed: {line}", file=sys.stderr)
+        if slower:
+            sys.exit(1)
+        print("check passed: every quantized configuration decodes at least as fast as float32", file=sys.stderr)
+
+
+def quantized_slower_than_float32(entries: list[Entry]) -> list[str]:
+    """The quantized configurations that decode slower than float32 run the same way (compiled or eager)."""
+    ours = [e for e in entries if e.precision is not None and "draft" not in e.name]
+    problems = []
+    for e in ours:
+        floats = [f for f in ours if f.precision == "float32" and f.compiled == e.compiled]
+        if e.precision in ("int8", "int4") and floats:
+            best = max(floats, key=lambda f: f.median("decode_tokens_per_s"))
+            if e.median("decode_tokens_per_s") < best.median("decode_tokens_per_s"):
+                problems.append(f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
+                                f"{best.name} {best.median('decode_tokens_per_s'):.1f}")  # fmt: skip
+    return problems
+
+
+def cpu_description() -> str:
+    """The CPU's model name, the vector instruction sets that choose kernels, and ATen's dispatch level."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if f in flags]
+    return f"{model}; {' '.join(isa) or 'no AVX2'}; ATen {torch.backends.cpu.get_cpu_capability()}"
 
 
 if __name__ == "__main__":

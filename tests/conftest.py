@@ -9,6 +9,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 SMOLLM2_DIR = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default model's test prompts: 1 to 40+ tokens, prose, code, lists, numbers.
+SMOLLM2_PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there",
+                   "List three colours:", "1, 2, 3, 4,", "Water boils at", "The quick brown fox jumps over the lazy dog. " * 4]  # fmt: skip
 TINY_VOCAB = 320
 SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Naïve café déjà vu, Ærøskøbing, "

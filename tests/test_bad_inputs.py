@@ -230,6 +230,9 @@ CASES = [
     ("benchmark", None, ["--peers", "llama.cpp"], "--gguf"),
     ("benchmark", None, ["--gguf", "{tmp}/absent.gguf"], "absent.gguf"),
     ("benchmark", None, ["--rounds", "0"], "--rounds"),
+    ("benchmark", None, ["--configs", "eager:int8", "--check"], "--check"),
+    ("benchmark", None, ["--configs", "eager:int8:fast"], "eager:int8:fast"),
+    ("generate", None, ["--kernels", "fast"], "--kernels"),
     ("benchmark", None, ["--checkpoint_path", "{tmp}/absent"], "absent"),
     ("benchmark", write("ckpt/config.json", "null"), [], "config.json"),
     ("benchmark", write("a_file", "x"), ["--profile", "{tmp}/a_file"], "a_file"),
@@ -349,7 +352,11 @@ def test_interactive_reports_a_bad_line_and_goes_on(tiny_checkpoint):
 def test_ctrl_c_exits_130_quietly(tiny_checkpoint):
     command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(tiny_checkpoint), "--interactive",
                "--max_new_tokens", "4", "--temperature", "0"]  # fmt: skip
-    job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A suite started in the background (`bash scripts/test.sh &`) inherits SIGINT ignored, and so would the
+    # command: Python installs its Ctrl-C handler only where SIGINT is not ignored.
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           preexec_fn=default_sigint)  # fmt: skip
     try:
         job.stdin.write(b"hello\n")
         job.stdin.flush()

@@ -7,6 +7,8 @@ import pytest
 import torch
 from conftest import ROOT
 
+from benchmark import Entry, quantized_slower_than_float32
+
 
 def run_benchmark(*args):
     command = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args]
@@ -14,15 +16,16 @@ def run_benchmark(*args):
 
 
 def test_benchmark_rows(tiny_checkpoint):
-    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "eager:float32,eager:int8",
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "eager:float32,eager:int8:fused",
                            "--draft", str(tiny_checkpoint), "--rounds", "2", "--prompt_length", "8",
                            "--new_tokens", "6", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     rows = {row["config"]: row for row in report["rows"]}
-    assert list(rows) == ["ours eager float32", "ours eager float32 + draft (k=4)", "ours eager int8",
-                          "ours eager int8 + draft (k=4)"]  # fmt: skip
-    assert "| ours eager int8 |" in result.stdout  # the markdown table
+    assert list(rows) == ["ours eager float32 (library)", "ours eager float32 (library) + draft (k=4)",
+                          "ours eager int8 (fused)", "ours eager int8 (fused) + draft (k=4)"]  # fmt: skip
+    assert "| ours eager int8 (fused) |" in result.stdout  # the markdown table
+    assert report["cpu"].endswith(f"ATen {torch.backends.cpu.get_cpu_capability()}")
     for row in rows.values():
         assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0 and row["compile_s"] is None
         assert row["achieved_gb_s"] * 1e3 == pytest.approx(row["weights_mb_per_token"] * row["decode_tokens_per_s"])
@@ -31,6 +34,20 @@ def test_benchmark_rows(tiny_checkpoint):
     state = torch.load(tiny_checkpoint / "model.pth", weights_only=True)
     assert "output.weight" in state
     read = sum(t.numel() * t.element_size() for name, t in state.items() if name != "tok_embeddings.weight")
-    assert rows["ours eager float32"]["weights_mb_per_token"] == pytest.approx(read / 1e6)
+    assert rows["ours eager float32 (library)"]["weights_mb_per_token"] == pytest.approx(read / 1e6)
     # int8 weights: about a quarter of the float32 bytes (plus float32 scales, norms and the embedding row)
-    assert rows["ours eager int8"]["weights_mb_per_token"] < 0.45 * rows["ours eager float32"]["weights_mb_per_token"]
+    int8, float32 = rows["ours eager int8 (fused)"], rows["ours eager float32 (library)"]
+    assert int8["weights_mb_per_token"] < 0.45 * float32["weights_mb_per_token"]
+
+
+def test_check_flags_a_quantized_config_slower_than_float32():
+    def entry(name, precision, compiled, *speeds):
+        return Entry(name, None, precision, compiled=compiled, runs=[{"decode_tokens_per_s": s} for s in speeds])
+
+    float32 = entry("f32 compiled", "float32", True, 30, 28, 29)  # median 29
+    fast, slow = entry("int8 compiled", "int8", True, 40, 41, 20), entry("int4 compiled", "int4", True, 28, 35, 27)
+    eager_int8 = entry("int8 eager", "int8", False, 5, 5, 5)  # no eager float32 to compare with
+    peer = entry("llama.cpp Q8_0", None, False, 1, 1, 1)
+    problems = quantized_slower_than_float32([float32, fast, slow, eager_int8, peer])
+    assert problems == ["int4 compiled decodes 28.0 tok/s, f32 compiled 29.0"]
+    assert quantized_slower_than_float32([float32, fast]) == []

@@ -1,7 +1,7 @@
 """Batches of different prompts, padding, stop conditions, streaming, chat and log-probabilities."""
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, assert_same_greedy
+from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
 
 from generate import Chat, IncrementalDecoder, drain, generate, load_model, stream
 from tokenizer import load_tokenizer
@@ -43,9 +43,7 @@ def test_batch_equals_each_prompt_alone(tiny):
 
 def test_batch_equals_each_prompt_alone_smollm2(smollm2):
     model, tokenizer = smollm2
-    texts = ["Hi", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there",
-             "List three colours:", "1, 2, 3, 4,", "Water boils at", "The quick brown fox jumps over the lazy dog. " * 4]  # fmt: skip
-    prompts = [tokenizer.encode(t) for t in texts]
+    prompts = [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
     assert min(map(len, prompts)) == 1 and max(map(len, prompts)) >= 40
     batch = generate(model, prompts, 16).tokens
     for prompt, row in zip(prompts, batch):

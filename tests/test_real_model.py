@@ -1,9 +1,11 @@
 """SmolLM2-135M-Instruct, prepared by scripts/prepare.sh, against transformers loading the same GGUF file."""
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, assert_same_greedy
+from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_greedy
 
-from generate import generate, load_model
+from generate import compile_steps, generate, load_model
+from model import Kernels
+from quantize import quantize_model
 from tokenizer import load_tokenizer
 
 
@@ -44,3 +46,47 @@ def test_greedy_matches_transformers(reference):
     model.setup_caches(1, len(ids))
     with torch.no_grad():
         assert (model(x, torch.arange(len(ids))) - hf(x).logits).abs().max() < TOLERANCE
+
+
+# ATen's int8/int4 kernels ("library") take bfloat16 activations and round their outputs, logits included, to
+# bfloat16; the fused one-row products compute in float32. Over SmolLM2's 30 layers that moves one-row logits
+# (up to ~33) by up to 0.54 (int8 0.46) on an AVX2 CPU, so the two paths may pick different tokens only where two
+# logits are within twice that (greedy paths measured: gaps of 0 and 0.11 where they parted). One path eager and
+# compiled can differ by whole bfloat16 steps of the logits (0.125 at 16-32): none or ties measured. A wrong layout,
+# scale or group moves the logits by several units and changes most tokens.
+CROSS_PATH_DIFF, CROSS_PATH_MARGIN, SAME_PATH_MARGIN = 1.0, 1.2, 0.5
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=[("int8", None), ("int4", 32)], ids=["int8", "int4"])
+def quantized_smollm2(request):
+    """The default model quantized in memory (round to nearest), once per kernel choice."""
+    kind, groupsize = request.param
+    float_model, tokenizer = load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
+    choices = {"library": Kernels.choose(CPU, False, "library"), "fused": Kernels.choose(CPU, False, "fused"),
+               "compiled": Kernels.choose(CPU, True)}  # the last: what generate.py --compile picks on this CPU  # fmt: skip
+    models = {name: quantize_model(float_model, kind, groupsize or 32, k) for name, k in choices.items()}
+    return models, [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
+
+
+def test_quantized_kernel_paths_agree(quantized_smollm2):
+    models, prompts = quantized_smollm2
+    library, fused, compiled = models["library"], models["fused"], models["compiled"]
+    expected = [generate(library, p, 16).tokens[0] for p in prompts]  # eager, ATen's kernels
+    # Eager fused products materialise [out, in] float32 tensors (slow; compiled they fuse): 8 tokens each.
+    for prompt, row in zip(prompts, expected):
+        assert_same_greedy(library, prompt, generate(fused, prompt, 8).tokens[0], row[:8], CROSS_PATH_MARGIN)
+    x = torch.tensor([prompts[-1]])
+    one_row = []
+    with torch.no_grad():
+        for model in (library, fused):  # the same prefill (many rows: one path), then one row each way
+            model.setup_caches(1, x.shape[1])
+            model(x[:, :-1], torch.arange(x.shape[1] - 1))
+            one_row.append(model(x[:, -1:], torch.tensor([x.shape[1] - 1])))
+    assert (one_row[0] - one_row[1]).abs().max() < CROSS_PATH_DIFF
+
+    decode_fn = compile_steps(CPU)["decode_fn"]
+    compiled.setup_caches(1, max(map(len, prompts)) + 16)  # one cache for every prompt: one compiled graph
+    margin = SAME_PATH_MARGIN if compiled.kernels.quant_matvec == "library" else CROSS_PATH_MARGIN
+    for prompt, row in zip(prompts, expected):
+        assert_same_greedy(library, prompt, generate(compiled, prompt, 16, decode_fn=decode_fn).tokens[0], row, margin)

@@ -14,11 +14,12 @@ import tp
 import tp_worker
 from generate import load_model
 from model import ModelArgs
-import quantize
 from quantize import quantize_checkpoint
 from tokenizer import load_tokenizer
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1")  # torchrun's own default; said here to keep it quiet
+# OMP_NUM_THREADS: torchrun's own default, said here to keep it quiet. PYTHONFAULTHANDLER: a rank that aborts
+# prints every thread's Python stack (see tp.end_rank).
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 # Sharded and whole float32 logits differ by rounding (partial sums added in another order): ~1e-6 for the tiny
 # model, ~1e-5 for SmolLM2; a wrong split (a head, a bias, a slice of the vocabulary) moves them by more than 1e-1.
 TINY_MARGIN, SMOLLM2_MARGIN = 1e-4, 1e-3
@@ -68,8 +69,7 @@ def tp_checkpoint(tmp_path_factory, tiny_tokenizer_json):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("name, compiled", [("model.pth", False), ("model_int8.pth", True), ("model_int4.g32.pth", False)])
-def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, monkeypatch, name, compiled):
-    monkeypatch.setattr(quantize, "CPU_KERNEL_DTYPE", quantize.CPU_KERNEL_DTYPE)  # the worker changes it
+def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, name, compiled):
     expected = tp_worker.logits_and_tokens(tp_checkpoint / name, compiled=compiled)
     out = tmp_path / "result.pt"
     result = torchrun(2, ROOT / "tests" / "tp_worker.py", str(tp_checkpoint / name), str(out), *["compile"] * compiled)
@@ -81,11 +81,9 @@ def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, monkeypatch, 
     assert (got["logits"] - expected["logits"])[valid].abs().max() < 1e-4
     # Two different prompts in one batch: every row is all-reduced, not only the first.
     assert expected["tokens"][0] != expected["tokens"][1]
-    with monkeypatch.context() as m:
-        m.setattr(quantize, "CPU_KERNEL_DTYPE", torch.float32)  # as in the worker
-        model = load_model(tp_checkpoint / name)
-        for prompt, row_got, row_expected in zip(tp_worker.PROMPTS, got["tokens"], expected["tokens"], strict=True):
-            assert_same_greedy(model, prompt, row_got, row_expected, TINY_MARGIN)
+    model = load_model(tp_checkpoint / name, kernels=tp_worker.EXACT)
+    for prompt, row_got, row_expected in zip(tp_worker.PROMPTS, got["tokens"], expected["tokens"], strict=True):
+        assert_same_greedy(model, prompt, row_got, row_expected, TINY_MARGIN)
 
 
 @pytest.mark.numerics

@@ -9,22 +9,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-import quantize  # noqa: E402
 import tp  # noqa: E402
 from generate import compile_steps, generate, load_model  # noqa: E402
+from model import Kernels  # noqa: E402
 
 ROWS = [[5, 17, 3, 99, 250, 41, 7, 8], [0, 0, 0, 60, 61, 62, 300, 2]]  # row 1: three slots of left padding
 LEFT_PAD = [0, 3]
 PROMPTS = [[5, 17, 3, 99, 250], [60, 61]]
+# The CPU int8/int4 kernels normally take bfloat16 activations and round their outputs to bfloat16, so a sum of
+# two half-length products differs from one full-length product by bfloat16 rounding (~1e-2 here, enough to flip
+# near-tied greedy picks of a random model). With float32 everywhere, what is left to compare is the split itself.
+EXACT = Kernels(gemm_dtype=torch.float32, kernel_activations=torch.float32)
 
 
 def logits_and_tokens(checkpoint, shard=None, compiled=False) -> dict:
-    # The CPU int8/int4 kernels normally take bfloat16 activations and round their outputs to bfloat16,
-    # so a sum of two half-length products differs from one full-length product by bfloat16 rounding
-    # (~1e-2 here, enough to flip near-tied greedy picks of a random model). With float32 activations,
-    # what is left to compare is the split itself.
-    quantize.CPU_KERNEL_DTYPE = torch.float32
-    model = load_model(checkpoint, shard=shard)
+    model = load_model(checkpoint, shard=shard, kernels=EXACT)
     with torch.no_grad():
         model.setup_caches(2, 16)
         left_pad = torch.tensor(LEFT_PAD)
@@ -41,4 +40,4 @@ if __name__ == "__main__":
     result = logits_and_tokens(checkpoint, shard, compiled=sys.argv[3:] == ["compile"])
     if shard.rank == 0:
         torch.save(result, out)
-    tp.leave_dist()
+    tp.end_rank()
