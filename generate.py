@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import tp
-from checkpoint import DEFAULT_CHECKPOINT, DTYPES, load_checkpoint, parse_device, resolve_checkpoint, user_errors
-from model import Kernels, ModelArgs, Transformer, set_kernels
+from checkpoint import DEFAULT_CHECKPOINT, DTYPES, parse_device, resolve_checkpoint, user_errors
+from model import Kernels, Transformer, set_kernels
+from quantize import load_checkpoint_model, prepare_quantized
 from tokenizer import Tokenizer, load_tokenizer, read_text
 
 CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
@@ -647,25 +648,9 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
     """Builds the model on the meta device and assigns the memory-mapped weights: no second copy.
     With a tensor-parallel shard (tp.Shard), keeps this rank's slice only, before moving it to the device.
     kernels: how a CPU runs the linear layers (Kernels.choose picks the fastest for a run)."""
-    path = resolve_checkpoint(checkpoint_path)
-    config = ModelArgs.from_json(path.parent / "config.json")
-    with torch.device("meta"):
-        model = Transformer(config)
-    state_dict, quantization = load_checkpoint(path)
-    if quantization is not None:
-        from quantize import prepare_quantized, swap_in_quantized_modules
-
-        try:
-            swap_in_quantized_modules(model, quantization)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+    model, quantization = load_checkpoint_model(resolve_checkpoint(checkpoint_path))
     if shard is not None:
-        tp.check_divisible(config, shard.world_size, quantization)
-    try:
-        model.load_state_dict(state_dict, assign=True)
-    except RuntimeError as e:
-        raise ValueError(f"{path} does not match {path.parent / 'config.json'}: {e}") from None
-    if shard is not None:
+        tp.check_divisible(model.config, shard.world_size, quantization)
         tp.apply_tp(model, shard)
     model = model.to(device=device, dtype=dtype).eval()
     set_kernels(model, kernels)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import load_checkpoint, resolve_checkpoint, save_atomic, user_errors
-from model import Kernels, Transformer, linear, set_kernels
+from model import Kernels, ModelArgs, Transformer, linear, set_kernels
 from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1
@@ -124,7 +124,7 @@ class Int4Linear(nn.Module):
         when one-row products are fused (kernels.quant_matvec) and each half of the inputs holds whole groups."""
         cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
         self.kernel_scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16 if cuda else self.kernels.kernel_activations)
-        if self.weight.is_cuda:
+        if cuda:
             # The CUDA layout tiles K by 16 x innerKTiles (8, 4 or 2): take the largest that divides it.
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(self.weight, inner_k_tiles)
@@ -213,6 +213,25 @@ def quantize_model(model, kind: str, groupsize: int = 32, kernels: Kernels = Ker
     set_kernels(quantized, kernels)
     prepare_quantized(quantized)
     return quantized.eval()
+
+
+def load_checkpoint_model(path: Path) -> tuple[Transformer, dict | None]:
+    """The model a checkpoint file holds, float or quantized (and its quantization format, or None): built on
+    the meta device, with the memory-mapped tensors assigned (no second copy), before any device or kernels."""
+    config = ModelArgs.from_json(path.parent / "config.json")
+    with torch.device("meta"):
+        model = Transformer(config)
+    state_dict, quantization = load_checkpoint(path)
+    if quantization is not None:
+        try:
+            swap_in_quantized_modules(model, quantization)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    try:
+        model.load_state_dict(state_dict, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not match {path.parent / 'config.json'}: {e}") from None
+    return model, quantization
 
 
 def prepare_quantized(model):
@@ -353,16 +372,15 @@ def quantize_checkpoint(
     calibration_seq_length: int = 512,
     act_order: bool = False,
 ) -> Path:
-    from generate import load_model
-
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     if mode != "int8" and groupsize not in GROUPSIZES:
         raise ValueError(f"groupsize {groupsize} is not supported; choose from {', '.join(map(str, GROUPSIZES))}")
     checkpoint_path = resolve_checkpoint(checkpoint_path)
-    if load_checkpoint(checkpoint_path)[1] is not None:
+    model, quantization = load_checkpoint_model(checkpoint_path)
+    if quantization is not None:
         raise ValueError(f"{checkpoint_path} is already quantized; quantize the floating-point model.pth")
-    model = load_model(checkpoint_path, "cpu", torch.float32)
+    model = model.float().eval()
     for name, linear in quantized_linears(model):
         if mode == "int8" or name == "output":
             continue
