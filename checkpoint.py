@@ -6,6 +6,7 @@ user's file or flag is a ValueError or OSError whose message names it; user_erro
 one line and a non-zero exit in every script, while any other exception (a bug of ours) keeps its
 traceback.
 """
+import argparse
 import contextlib
 import os
 import pickle
@@ -14,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from tokenizer import read_text
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +57,44 @@ def parse_device(name: str) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device {name}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help of every script: its docstring as written, and each flag's default where it has one."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if not action.help or default is None or default is False or default is argparse.SUPPRESS or default in ("", []):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+def device_flag(name: str) -> torch.device:
+    """argparse type of --device (its message shown as argparse shows a bad flag)."""
+    try:
+        return parse_device(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def utf8_text(text: str) -> str:
+    """argparse type of text flags: bytes that are not UTF-8 reach sys.argv as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return text
+
+
+def prompt_lines(path: str) -> list[str]:
+    """argparse type of --prompts_file: its non-blank lines."""
+    try:
+        lines = [line for line in read_text(Path(path)).splitlines() if line.strip()]
+    except (ValueError, OSError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not lines:
+        raise argparse.ArgumentTypeError(f"{path} holds no prompt")
+    return lines
 
 
 def resolve_checkpoint(checkpoint_path: str | Path) -> Path:

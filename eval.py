@@ -15,14 +15,17 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import DEFAULT_CHECKPOINT, parse_device, resolve_checkpoint, user_errors
+from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, resolve_checkpoint, user_errors
 from generate import load_model
 from quantize import default_text
 from tokenizer import load_tokenizer, read_text
 
 
 @torch.no_grad()
-def perplexity(model, tokens: list[int], window: int, stride: int) -> float:
+def perplexity(model, tokens: list[int], window: int, stride: int) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) of tokens[1:], and how many were scored."""
+    if not 0 < stride < window:  # a window must overlap the previous one: its first token has no context in it
+        raise ValueError(f"need 0 < stride < window, got stride {stride} and window {window}")
     model.setup_caches(1, window)
     nll, counted, scored_until = 0.0, 0, 1  # the first token has no prediction
     for start in range(0, len(tokens) - 1, stride):
@@ -40,31 +43,27 @@ def perplexity(model, tokens: list[int], window: int, stride: int) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="any model*.pth")
     parser.add_argument("--text_file", type=Path, help="text to score (default: Python's pydoc topics)")
     parser.add_argument("--max_tokens", type=int, default=4096, help="score the text's last N tokens")
     parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass (capped by block_size)")
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--device", type=device_flag, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
     opts = parser.parse_args(argv)
     stride = opts.window // 2 if opts.stride is None else opts.stride
-    if opts.max_tokens < 2 or opts.window < 2 or not 0 < stride <= opts.window:
-        parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride <= --window")
-    try:
-        device = parse_device(opts.device)
-    except ValueError as e:
-        parser.error(str(e))
+    if opts.max_tokens < 2 or opts.window < 2 or not 0 < stride < opts.window:
+        parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride < --window")
     with user_errors():
         text = read_text(opts.text_file) if opts.text_file else default_text()
-        model = load_model(opts.checkpoint_path, device, torch.float32)
+        model = load_model(opts.checkpoint_path, opts.device, torch.float32)
         tokenizer = load_tokenizer(resolve_checkpoint(opts.checkpoint_path).parent)
         tokens = tokenizer.encode(text)[-opts.max_tokens :]
         if len(tokens) < 2:
             raise ValueError(f"{opts.text_file or 'the text'}: fewer than 2 tokens")
         window = min(opts.window, model.config.block_size)
-        ppl, counted = perplexity(model, tokens, window, min(stride, window))
+        ppl, counted = perplexity(model, tokens, window, min(stride, window - 1))
         print(f"perplexity {ppl:.4f} over {counted} tokens ({opts.checkpoint_path})")
         if opts.json:
             print(json.dumps({"perplexity": ppl, "tokens": counted}))

@@ -140,11 +140,39 @@ class Kernels:
                 "quant_matvec": self.quant_matvec, **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()}}
 
 
+def model_size_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step reads: all of them but the embedding table, of which it reads one
+    row, unless the output projection reuses it (tied embeddings)."""
+    skip = {"tok_embeddings.weight"} if model.output is not None else set()
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
+
+
 def set_kernels(model: nn.Module, kernels: Kernels):
     """Gives every module that computes a linear layer (and the model, for a tied output) this choice."""
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels
+
+
+def ensure_caches(model: "Transformer", batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False):
+    """Checks the request fits the model; sets up KV caches unless big enough ones exist (or keep is set)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    needed = prompt_len + max_new_tokens
+    if needed > model.config.block_size:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"block_size ({model.config.block_size})"
+        )
+    # Reusing caches keeps the compiled decode step's shapes, so it does not recompile.
+    if model.max_seq_length >= needed and model.max_batch_size >= batch_size:
+        return
+    if keep:
+        raise ValueError(
+            f"{batch_size} rows of {needed} positions do not fit the KV cache "
+            f"({model.max_batch_size} rows of {model.max_seq_length})"
+        )
+    model.setup_caches(batch_size, needed)
 
 
 class KVCache(nn.Module):

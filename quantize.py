@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from checkpoint import load_checkpoint, resolve_checkpoint, save_atomic, user_errors
+from checkpoint import HelpFormatter, load_checkpoint, resolve_checkpoint, save_atomic, user_errors
 from model import Kernels, ModelArgs, Transformer, linear, set_kernels
 from tokenizer import load_tokenizer, read_text
 
@@ -411,9 +411,9 @@ def default_text() -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="the floating-point model.pth")
-    parser.add_argument("--mode", required=True, choices=MODES)
+    parser.add_argument("--mode", required=True, choices=MODES, help="int8: per-channel weights; int4: per-group (--groupsize) by rounding; int4-gptq: per-group by GPTQ on calibration text")
     parser.add_argument("--groupsize", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     parser.add_argument("--calibration_file", type=Path, help="GPTQ calibration text (default: Python's pydoc topics)")
     parser.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")

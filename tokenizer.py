@@ -74,6 +74,30 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)
 
 
+class IncrementalDecoder:
+    """Turns one row's tokens into text pieces; a character split across tokens comes out once complete.
+
+    Decodes a short window (from the token before the last emitted piece) so that tokenizers that
+    drop a leading space at the start of a decode, and multi-byte characters, come out right."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete character decodes as U+FFFD)."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        return self.tokenizer.decode(self.ids[self.prefix :])[len(before) :]
+
+
 def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     folder = Path(checkpoint_dir)
     config = read_json(folder / "tokenizer_config.json")

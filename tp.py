@@ -9,6 +9,7 @@ that their outputs are partial sums, all-reduced. The output projection is split
 slices gathered. Quantized layers split the same way, with their scales (and int4 zeros) following the
 weights. The KV cache of a rank holds only its heads. NCCL connects GPUs, gloo connects CPU processes.
 """
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -46,6 +47,49 @@ def maybe_init_dist(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return Shard(rank, world_size), device
+
+
+def quiet_rank() -> bool:
+    """Under torchrun every rank runs the whole script: all but rank 0 keep quiet (they fail alike)."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
+@contextlib.contextmanager
+def rank0_prints():
+    if not quiet_rank():
+        yield
+        return
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        yield
+
+
+@contextlib.contextmanager
+def rank_failures(shard: Shard | None):
+    """Under torchrun a RuntimeError is mostly a collective failing (a rank died or hung): one line, exit 1.
+    A rank leaves the job however it ends."""
+    try:
+        yield
+    except RuntimeError as e:
+        if shard is None:
+            raise
+        sys.exit(f"error: rank {shard.rank} stopped: {e}")
+    finally:
+        leave_dist()
+
+
+def shared_seed(seed: int | None, shard: Shard | None) -> int | None:
+    """Every rank must sample the same tokens: one seed for all, rank 0's (drawn there if not given)."""
+    if shard is None:
+        return seed
+    return from_rank0(seed if seed is not None else int(torch.randint(2**62, ())))
+
+
+def line_reader(shard: Shard | None):
+    """A function giving stdin's next line as bytes (b"" at the end): under torchrun rank 0 reads it and
+    passes it to the others."""
+    if shard is None:
+        return sys.stdin.buffer.readline
+    return lambda: from_rank0(sys.stdin.buffer.readline() if shard.rank == 0 else None)
 
 
 def leave_dist():

@@ -31,9 +31,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from checkpoint import DEFAULT_CHECKPOINT, parse_device, resolve_checkpoint, user_errors  # noqa: E402
-from generate import compile_steps, ensure_caches, generate, load_model, model_size_bytes, synchronize  # noqa: E402
-from model import Kernels, ModelArgs, Transformer, set_kernels  # noqa: E402
+from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
+from generate import compile_steps, generate, load_model  # noqa: E402
+from model import Kernels, ModelArgs, Transformer, ensure_caches, model_size_bytes, set_kernels  # noqa: E402
+from results import synchronize  # noqa: E402
 from quantize import quantize_model  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,12 +76,13 @@ class Config:
 
 
 def parse_configs(text: str) -> list[Config]:
+    """argparse type of --configs."""
     configs = []
     for item in text.split(","):
         parts = item.strip().split(":")
         mode, precision, matvec = parts + ["auto"] if len(parts) == 2 else parts if len(parts) == 3 else ("",) * 3
         if mode not in ("eager", "compiled") or precision not in PRECISIONS or matvec not in MATVECS:
-            raise ValueError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}[:{'|'.join(MATVECS)}]")
+            raise argparse.ArgumentTypeError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}[:{'|'.join(MATVECS)}]")
         configs.append(Config(mode == "compiled", precision, matvec))
     return configs
 
@@ -145,15 +147,14 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
     model, memory = measure_memory(args.device, build)
     draft = load_model(args.draft, args.device, torch.float32, kernels=kernels) if with_draft else None
     # Compiled: the decode steps; the prefill stays eager (compiling it for dynamic shapes costs minutes here).
-    names = ("decode_fn", "draft_fn", "verify_fn") if draft is not None else ("decode_fn",)
-    fns = {name: fn for name, fn in compile_steps(args.device).items() if name in names} if compiled else {}
+    steps = compile_steps(args.device, decode=compiled)
     extra = dict(draft_model=draft, speculate_k=args.speculate_k) if draft is not None else {}
     ahead = args.speculate_k + 1 if draft is not None else 0
     for m in (model, draft) if draft is not None else (model,):
         ensure_caches(m, 1, len(prompt), args.new_tokens + ahead)
 
     def run() -> dict:
-        result = generate(model, prompt, args.new_tokens, temperature=0.0, **fns, **extra)
+        result = generate(model, prompt, args.new_tokens, steps=steps, **extra)
         return {
             "time_to_first_token_s": result.time_to_first_token_s,
             "prefill_tokens_per_s": len(prompt) / result.time_to_first_token_s,
@@ -299,56 +300,56 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth or its folder")
     p.add_argument("--shape", choices=SHAPES, default=None, help="a random-weight model of this shape instead")
-    p.add_argument("--configs", default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
+    p.add_argument("--configs", type=parse_configs, default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
                    help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library]; the last "
                         "part picks the CPU one-row kernels (auto: the fastest for this CPU, see model.Kernels)")  # fmt: skip
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
     p.add_argument("--draft", type=Path, default=None, help="also each config with this draft model (speculative)")
     p.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
-    p.add_argument("--peers", default="", help="comma-separated: llama.cpp, transformers")
+    p.add_argument("--peers", type=peer_list, default="", help="comma-separated: llama.cpp, transformers (default: none)")
     p.add_argument("--gguf", type=Path, default=None, help="the peers' model file (default: the SmolLM2 GGUF)")
     p.add_argument("--prompt_length", type=int, default=128, help="random prompt tokens (the prefill)")
     p.add_argument("--new_tokens", type=int, default=128, help="greedy tokens generated (the decode)")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each configuration (medians reported)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads, ours and the peers'")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N")  # fmt: skip
     p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
                         "same way (compiled or eager) in this run")  # fmt: skip
     args = p.parse_args(argv)
-    try:
-        args.configs = parse_configs(args.configs)
-    except ValueError as e:
-        p.error(str(e))
     if args.check and not any(
         c.precision in ("int8", "int4") and any(f.precision == "float32" and f.compiled == c.compiled for f in args.configs)
         for c in args.configs
     ):
         p.error("--check compares int8/int4 with float32 run the same way: give both in --configs")
-    args.peers = [peer for peer in args.peers.split(",") if peer]
-    if unknown := set(args.peers) - {"llama.cpp", "transformers"}:
-        p.error(f"unknown peer(s) {', '.join(sorted(unknown))}: use llama.cpp, transformers")
     for name in ("prompt_length", "new_tokens", "rounds", "threads", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
-    try:
-        args.device = parse_device(args.device)
-    except ValueError as e:
-        p.error(str(e))
-    if args.gguf is None and args.peers:
-        if args.shape or Path(args.checkpoint_path) != DEFAULT_CHECKPOINT:
-            p.error("--peers needs --gguf: the same model as a GGUF file")
-        args.gguf = DEFAULT_GGUF
-    if args.gguf is not None and not args.gguf.is_file():
-        p.error(f"GGUF file {args.gguf} not found (bash scripts/prepare.sh makes the default one)")
+    if args.gguf is None and args.peers and (args.shape or Path(args.checkpoint_path) != DEFAULT_CHECKPOINT):
+        p.error("--peers needs --gguf: the same model as a GGUF file")
+    if (args.gguf is not None or args.peers) and not peers_gguf(args).is_file():
+        p.error(f"GGUF file {peers_gguf(args)} not found (bash scripts/prepare.sh makes the default one)")
     if args.peers and args.device.type != "cpu":
         p.error("the peers run on the CPU: compare them with --device cpu")
     return args
+
+
+def peer_list(text: str) -> list[str]:
+    """argparse type of --peers."""
+    peers = [peer for peer in text.split(",") if peer]
+    if unknown := set(peers) - {"llama.cpp", "transformers"}:
+        raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(sorted(unknown))}: use llama.cpp, transformers")
+    return peers
+
+
+def peers_gguf(args) -> Path:
+    return args.gguf or DEFAULT_GGUF
 
 
 def main(argv=None):
@@ -385,10 +386,10 @@ def benchmark(args):
             sys.exit("error: --peers llama.cpp needs the llama-cpp-python package (pip install llama-cpp-python)")
         for kind in sorted({LLAMA_CPP_TYPES[c.precision] for c in args.configs}, key=list(LLAMA_FTYPES).index):
             print(f"preparing llama.cpp {kind} ...", file=sys.stderr)
-            entries.append(llama_cpp_entry(gguf_variant(args.gguf, kind, args.threads), kind, prompt, args))
+            entries.append(llama_cpp_entry(gguf_variant(peers_gguf(args), kind, args.threads), kind, prompt, args))
     if "transformers" in args.peers:
         print("preparing transformers ...", file=sys.stderr)
-        entries.append(transformers_entry(args.gguf, prompt, args))
+        entries.append(transformers_entry(peers_gguf(args), prompt, args))
 
     for r in range(args.rounds):
         for e in entries:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import DTYPES, user_errors  # noqa: E402
+from checkpoint import DTYPES, HelpFormatter, user_errors  # noqa: E402
 from convert_hf_checkpoint import write_checkpoint  # noqa: E402
 from model import ModelArgs  # noqa: E402
 
@@ -142,7 +142,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the dequantized weights")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import DTYPES, check_tensors, load_tensor_file, save_tensors, user_errors  # noqa: E402
+from checkpoint import DTYPES, HelpFormatter, check_tensors, load_tensor_file, save_tensors, user_errors  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import load_tokenizer, read_json  # noqa: E402
 
@@ -220,7 +220,7 @@ def convert_hf_checkpoint(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtyp
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="Hugging Face model folder")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, help="convert weights to this dtype (default: keep as stored)")

@@ -1,5 +1,5 @@
 # Sourced by quickstart.sh and test.sh: creates .venv if needed, activates it and installs requirements.
-# PyTorch is pinned here (not in requirements.txt) so that CPU machines get the CPU build;
+# PyTorch is installed here (not from requirements.txt) so that a torch already in .venv (the CPU or CUDA build a user chose) is kept;
 # GPU users install the CUDA build of torch first (see README), and this step then leaves it alone.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -204,6 +204,7 @@ CASES = [
     ("eval", write("t.txt", ""), ["--text_file", "{tmp}/t.txt"], "t.txt"),
     ("eval", None, ["--checkpoint_path", "{tmp}/absent"], "absent"),
     ("eval", None, ["--stride", "0"], "--stride"),
+    ("eval", None, ["--window", "64", "--stride", "64"], "--stride"),
     # scripts/convert_hf_checkpoint.py
     ("convert_hf", None, ["--checkpoint_dir", "{tmp}/absent"], "absent"),
     ("convert_hf", remove_key("hf/config.json", "hidden_size"), [], "hidden_size"),

@@ -5,6 +5,7 @@ import torch._dynamo
 from conftest import assert_same_greedy
 
 from generate import compile_steps, generate, load_model
+from sampling import SamplingParams
 
 pytestmark = pytest.mark.numerics
 
@@ -20,24 +21,24 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     counters.clear()
-    decode_fn = compile_steps(torch.device("cpu"))["decode_fn"]
-    generate(model, PROMPTS, 2, decode_fn=decode_fn)  # compiles
+    steps = compile_steps(torch.device("cpu"))
+    generate(model, PROMPTS, 2, steps=steps)  # compiles
     # The cache is set up for these shapes already: 50 more steps must reuse the one graph.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = generate(model, PROMPTS, 50, decode_fn=decode_fn).tokens
+        compiled = generate(model, PROMPTS, 50, steps=steps).tokens
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     for prompt, got, expected in zip(PROMPTS, compiled, eager):
         assert_same_greedy(model, prompt, got, expected, MARGIN)
 
     # Sampling compiles one more graph; new values of every setting reuse it.
-    generate(model, PROMPTS, 3, decode_fn=decode_fn, temperature=0.7, seed=0)
+    generate(model, PROMPTS, 3, steps=steps, sampling=SamplingParams(temperature=0.7, seed=0))
     graphs = counters["stats"]["unique_graphs"]
-    settings = dict(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
+    settings = SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5,
                     frequency_penalty=0.3, seed=1)  # fmt: skip
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = generate(model, PROMPTS, 30, decode_fn=decode_fn, **settings).tokens
+        compiled = generate(model, PROMPTS, 30, steps=steps, sampling=settings).tokens
     assert counters["stats"]["unique_graphs"] == graphs == 2 and not counters["graph_break"]
     # Same seed, same draws: the compiled sampler picks what the eager one picks. (A draw is the argmax of p / E
     # over the vocabulary; a relative rounding difference d in p changes it only when the two largest ratios are
     # within d, which happens to about d / 2 of draws (simulated): with d ~ 1e-6, ~5e-5 over these 90 draws.)
-    assert compiled == generate(model, PROMPTS, 30, **settings).tokens
+    assert compiled == generate(model, PROMPTS, 30, sampling=settings).tokens

@@ -129,18 +129,18 @@ def test_quantized_checkpoints_generate_eager_and_compiled(quantized_checkpoints
     folder, paths = quantized_checkpoints
     prompt = load_tokenizer(folder).encode("The quick")
     kernels = Kernels.choose(torch.device("cpu"), compiled=False, matvec=matvec)  # as the command line below
-    decode_fn = compile_steps(torch.device("cpu"))["decode_fn"]
+    steps = compile_steps(torch.device("cpu"))
     for mode, path in paths.items():
         cli = run_generate("--checkpoint_path", str(path), "--prompt", "The quick", "--max_new_tokens", "20",
                            "--temperature", "0", "--kernels", matvec, "--json")  # fmt: skip
         assert cli["stats"]["new_tokens"] == [20] and cli["stats"]["kernels"]["quant_matvec"] == matvec, mode
         model = load_model(path, kernels=kernels)
-        eager = generate(model, prompt, 20, temperature=0.0).tokens[0]
-        compiled = generate(model, prompt, 20, temperature=0.0, decode_fn=decode_fn).tokens[0]
+        eager = generate(model, prompt, 20).tokens[0]
+        compiled = generate(model, prompt, 20, steps=steps).tokens[0]
         assert_same_greedy(model, prompt, compiled, eager, SAME_PATH[matvec])
         assert cli["tokens"][0] == eager  # the command line runs the same eager path
         other = load_model(path, kernels=Kernels.choose(torch.device("cpu"), False, "fused" if matvec == "library" else "library"))
-        assert_same_greedy(other, prompt, generate(other, prompt, 20, temperature=0.0).tokens[0], eager, BFLOAT16_VS_FLOAT32)
+        assert_same_greedy(other, prompt, generate(other, prompt, 20).tokens[0], eager, BFLOAT16_VS_FLOAT32)
 
 
 def test_bad_quantization_requests(quantized_checkpoints, tmp_path):

@@ -85,8 +85,20 @@ def test_quantized_kernel_paths_agree(quantized_smollm2):
             one_row.append(model(x[:, -1:], torch.tensor([x.shape[1] - 1])))
     assert (one_row[0] - one_row[1]).abs().max() < CROSS_PATH_DIFF
 
-    decode_fn = compile_steps(CPU)["decode_fn"]
+    steps = compile_steps(CPU)
     compiled.setup_caches(1, max(map(len, prompts)) + 16)  # one cache for every prompt: one compiled graph
     margin = SAME_PATH_MARGIN if compiled.kernels.quant_matvec == "library" else CROSS_PATH_MARGIN
     for prompt, row in zip(prompts, expected):
-        assert_same_greedy(library, prompt, generate(compiled, prompt, 16, decode_fn=decode_fn).tokens[0], row, margin)
+        assert_same_greedy(library, prompt, generate(compiled, prompt, 16, steps=steps).tokens[0], row, margin)
+
+
+def test_float32_eager_and_compiled_agree():
+    """What generate.py runs without and with --compile: BLAS products eager, fused float32 products compiled."""
+    eager, tokenizer = load_model(SMOLLM2_DIR, kernels=Kernels.choose(CPU, False)), load_tokenizer(SMOLLM2_DIR)
+    compiled = load_model(SMOLLM2_DIR, kernels=Kernels.choose(CPU, True))
+    prompts = [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
+    steps = compile_steps(CPU)
+    compiled.setup_caches(1, max(map(len, prompts)) + 16)  # one cache for every prompt: one compiled graph
+    for prompt in prompts:
+        expected = generate(eager, prompt, 16).tokens[0]
+        assert_same_greedy(eager, prompt, generate(compiled, prompt, 16, steps=steps).tokens[0], expected, TOLERANCE)

@@ -3,16 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from generate import (
-    SamplingParams,
-    apply_penalties,
-    generate,
-    load_model,
-    logits_to_probs,
-    record_token,
-    sample,
-    sampler_state,
-)
+from generate import generate, load_model
+from sampling import SamplingParams, apply_penalties, logits_to_probs, record_token, sample, sampler_state
 
 pytestmark = pytest.mark.numerics
 
@@ -95,8 +87,8 @@ def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20000, 4)
     state = sampler_state(SamplingParams(temperature=1.0), [[0]] * 20000, 4, "cpu")
-    state["seen"].zero_()
-    state["noise"].exponential_()
+    state.seen.zero_()
+    state.noise.exponential_()
     token, _ = sample(logits, state, greedy=False, n_logprobs=None)
     counts = torch.bincount(token.flatten(), minlength=4).double() / 20000
     assert (counts - probs.double()).abs().max() < 0.015
@@ -105,20 +97,21 @@ def test_sampling_follows_the_distribution():
 def test_top_k_1_is_greedy_and_seed_repeats(tiny_checkpoint):
     model = load_model(tiny_checkpoint)
     prompt = [3, 4, 5, 6]
-    greedy = generate(model, prompt, 24, temperature=0).tokens[0]
-    assert generate(model, prompt, 24, temperature=1.0, top_k=1).tokens[0] == greedy
+    greedy = generate(model, prompt, 24).tokens[0]
+    assert generate(model, prompt, 24, sampling=SamplingParams(temperature=1.0, top_k=1)).tokens[0] == greedy
 
     def sampled(seed):
         torch.manual_seed(seed)
-        return generate(model, prompt, 24, temperature=1.0, top_p=0.95).tokens[0]
+        return generate(model, prompt, 24, sampling=SamplingParams(temperature=1.0, top_p=0.95)).tokens[0]
 
     assert sampled(7) == sampled(7)
     assert sampled(7) != sampled(8)
     assert sampled(7) != greedy
     # A per-request seed (its own torch.Generator) does not depend on the global generator.
-    per_request = [generate(model, prompt, 24, temperature=1.0, seed=3).tokens[0] for _ in range(2)]
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    per_request = [generate(model, prompt, 24, sampling=seeded).tokens[0] for _ in range(2)]
     torch.manual_seed(99)
-    assert per_request[0] == per_request[1] == generate(model, prompt, 24, temperature=1.0, seed=3).tokens[0]
+    assert per_request[0] == per_request[1] == generate(model, prompt, 24, sampling=seeded).tokens[0]
 
 
 def test_bad_sampling_values(tiny_checkpoint):
@@ -133,6 +126,6 @@ def test_bad_sampling_values(tiny_checkpoint):
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ]:
         with pytest.raises(ValueError, match=message):
-            generate(model, [1, 2], 4, **kwargs)
+            generate(model, [1, 2], 4, sampling=SamplingParams(**kwargs))
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         generate(model, [1] * 200, 100)

@@ -11,6 +11,7 @@ from convert_hf_checkpoint import convert_hf_checkpoint
 import generate as gen
 import quantize as qz
 from model import ModelArgs, Transformer
+from sampling import SamplingParams, accept_drafts
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +49,13 @@ def test_compiled_greedy_equals_plain_without_recompiling(pairs):
     target, drafts = pairs
     plain = gen.generate(target, PROMPT, 40).tokens[0]
     steps = gen.compile_steps(torch.device("cpu"))
-    fns = dict(draft_fn=steps["draft_fn"], verify_fn=steps["verify_fn"])
     for name, draft in drafts.items():
         for k in (1, 2, 4, 8):
-            result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, **fns)
+            result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, steps=steps)
             assert_same_greedy(target, PROMPT, result.tokens[0], plain, MARGIN)
     # Every shape has been seen: another run, rounds included, must not compile anything.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        again = gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], speculate_k=4, **fns).tokens[0]
+        again = gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], speculate_k=4, steps=steps).tokens[0]
     assert_same_greedy(target, PROMPT, again, plain, MARGIN)
 
 
@@ -86,7 +86,7 @@ def exact_marginals(model, prompt) -> tuple[np.ndarray, np.ndarray]:
 
 def chi_square_rejects(samples: np.ndarray, expected: np.ndarray) -> bool:
     """Pearson's test at significance 0.001, cells with fewer than 5 expected merged."""
-    counts = np.bincount(samples, minlength=16).astype(float)
+    counts = np.bincount(samples, minlength=len(expected)).astype(float)
     expected = expected * len(samples)
     small = expected < 5
     observed = np.append(counts[~small], counts[small].sum())
@@ -99,24 +99,36 @@ def chi_square_rejects(samples: np.ndarray, expected: np.ndarray) -> bool:
 
 
 def speculative_samples(target, draft, prompt, runs) -> np.ndarray:
-    params = [gen.SamplingParams(temperature=1.0, seed=seed) for seed in range(runs)]
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(runs)]
     return np.array([gen.speculative_generate(target, draft, prompt, 3, p, 2).tokens[0][1:3] for p in params])
 
 
-def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
+def test_sampled_tokens_follow_the_target_distribution():
     target, draft = tiny_vocab_model(0, 2), tiny_vocab_model(1, 1)
     prompt = [3, 1, 4, 1, 5]
     second, third = exact_marginals(target, prompt)
     samples = speculative_samples(target, draft, prompt, 2500)
     assert not chi_square_rejects(samples[:, 0], second) and not chi_square_rejects(samples[:, 1], third)
+    # The test has the power to tell the target's distribution from the draft's.
+    draft_second, draft_third = exact_marginals(draft, prompt)
+    assert chi_square_rejects(samples[:, 0], draft_second) or chi_square_rejects(samples[:, 1], draft_third)
 
-    # The test has the power to see a wrong rule: resampling the argmax of the target at a rejection.
-    def argmax_resampling(q, p):
-        return torch.nn.functional.one_hot(q.argmax(-1), q.shape[-1]).float()
 
-    monkeypatch.setattr(gen, "residual_probs", argmax_resampling)
-    wrong = speculative_samples(target, draft, prompt, 2500)
-    assert chi_square_rejects(wrong[:, 0], second) or chi_square_rejects(wrong[:, 1], third)
+def test_acceptance_rule_yields_the_target_distribution():
+    """One round, k = 1: the token at the round's first position follows q. The same statistic rejects what a
+    plausible wrong rule gives (at a rejection, q's most likely token instead of a draw from the residual)."""
+    generator = torch.Generator().manual_seed(0)
+    p, q = torch.softmax(torch.randn(2, 16, generator=generator) * 1.5, dim=-1)
+    first = []
+    for _ in range(4000):
+        drafted = torch.multinomial(p, 1, generator=generator)
+        uniforms, noise = torch.rand(1, generator=generator), torch.empty(16).exponential_(generator=generator)
+        kept, next_token = accept_drafts(drafted, p[None], torch.stack([q, q]), uniforms, noise)
+        first.append(int(drafted) if int(kept) else int(next_token))
+    wrong = torch.minimum(p, q)
+    wrong[q.argmax()] += 1 - wrong.sum()
+    first = np.array(first)
+    assert not chi_square_rejects(first, q.double().numpy()) and chi_square_rejects(first, wrong.double().numpy())
 
 
 def test_bad_speculation_requests(pairs):
@@ -124,8 +136,8 @@ def test_bad_speculation_requests(pairs):
     draft = drafts["int8 copy"]
     cases = [
         (dict(speculate_k=0), "speculate_k must be >= 1"),
-        (dict(repetition_penalty=1.2), "not penalties or logprobs"),
-        (dict(logprobs=2), "not penalties or logprobs"),
+        (dict(sampling=SamplingParams(repetition_penalty=1.2)), "not penalties or logprobs"),
+        (dict(sampling=SamplingParams(logprobs=2)), "not penalties or logprobs"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -29,8 +29,8 @@ def logits_and_tokens(checkpoint, shard=None, compiled=False) -> dict:
         left_pad = torch.tensor(LEFT_PAD)
         prefill = model(torch.tensor(ROWS), torch.arange(8), left_pad)
         step = model(torch.tensor([[11], [12]]), torch.tensor([8]), left_pad)  # one decode step on the cache
-    steps = {"decode_fn": compile_steps(torch.device("cpu"))["decode_fn"]} if compiled else {}
-    tokens = generate(model, PROMPTS, 24, temperature=0.0, **steps).tokens
+    steps = compile_steps(torch.device("cpu"), decode=compiled)
+    tokens = generate(model, PROMPTS, 24, steps=steps).tokens
     return {"logits": torch.cat([prefill, step], dim=1), "tokens": tokens}
 
 

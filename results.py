@@ -1,0 +1,146 @@
+"""What a generation returns, and the figures of a run: each row's tokens and text cut at its first EOS or
+stop string (stop strings are matched on decoded text), finish reasons, log-probabilities, timings.
+"""
+import resource
+from dataclasses import dataclass, field
+
+import torch
+
+from model import Transformer, model_size_bytes
+from tokenizer import Tokenizer
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per row: up to EOS (excluded) or through the token completing a stop string
+    texts: list[str] | None  # per row, ending before any stop string (None without a tokenizer)
+    finish_reasons: list[str]  # per row: "eos", "stop" or "length"
+    logprobs: list[list[dict]] | None  # per row, per token: {"token", "logprob", "top": [[id, logprob], ...]}
+    prompt_tokens: list[int]  # positions prefilled per row (padding excluded)
+    decode_steps: int  # decode steps run (a row that finished early still took part in them)
+    time_to_first_token_s: float
+    decode_time_s: float
+    raw_tokens: list[list[int]] = field(repr=False, default_factory=list)  # every token produced per row
+    speculation: dict | None = None  # speculative decoding's figures (Speculation.summary)
+
+
+@dataclass
+class Speculation:
+    k: int
+    rounds: int = 0
+    drafted: int = 0
+    kept: int = 0
+    histogram: list[int] = field(default_factory=list)  # rounds that kept 0, 1, ..., k drafted tokens
+
+    def __post_init__(self):
+        self.histogram = self.histogram or [0] * (self.k + 1)
+
+    def record(self, kept: int):
+        """One round: k drafted, kept of them accepted."""
+        self.rounds, self.drafted, self.kept = self.rounds + 1, self.drafted + self.k, self.kept + kept
+        self.histogram[kept] += 1
+
+    def summary(self) -> dict:
+        return {
+            "speculate_k": self.k,
+            "acceptance_rate": self.kept / max(self.drafted, 1),
+            "accepted_length_histogram": self.histogram,
+            "tokens_per_target_forward": (self.kept + self.rounds) / max(self.rounds, 1),
+        }
+
+
+def check_stop(stop, tokenizer) -> list[str]:
+    stop = list(stop)
+    if any(s == "" for s in stop):
+        raise ValueError("a stop string is empty")
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer (tokenizer=...)")
+    return stop
+
+
+def find_stop(text: str, stop: list[str]) -> int:
+    """Index of the earliest stop string in text, or -1."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def finish_row(raw: list[int], eos_ids, stop: list[str], tokenizer: Tokenizer | None):
+    """A row's produced tokens -> (tokens, text, finish reason), cut at the first EOS or stop string."""
+    eos = set(eos_ids)
+    end = next((i for i, t in enumerate(raw) if t in eos), None)
+    tokens, reason = (raw, "length") if end is None else (raw[:end], "eos")
+    if tokenizer is None:
+        return tokens, None, reason
+    text = tokenizer.decode(tokens)
+    cut = find_stop(text, stop)
+    if cut < 0:
+        return tokens, text, reason
+    # Keep the tokens through the one that completes the stop string; the text ends before it.
+    n = next(n for n in range(1, len(tokens) + 1) if find_stop(tokenizer.decode(tokens[:n]), stop) >= 0)
+    return tokens[:n], text[:cut], "stop"
+
+
+def collect(raw_rows, logprob_steps, prompt_rows, eos_ids, stop, tokenizer, ttft, decode_time) -> Generation:
+    rows = [finish_row(raw, eos_ids, stop, tokenizer) for raw in raw_rows]
+    logprobs = None
+    if logprob_steps and logprob_steps[0] is not None:
+        chosen = torch.cat([lp[0] for lp in logprob_steps], dim=1).tolist()  # [B, steps]
+        top_values = torch.stack([lp[1] for lp in logprob_steps], dim=1).tolist()  # [B, steps, n]
+        top_ids = torch.stack([lp[2] for lp in logprob_steps], dim=1).tolist()
+        logprobs = [
+            [
+                {"token": t, "logprob": chosen[b][i], "top": [list(p) for p in zip(top_ids[b][i], top_values[b][i])]}
+                for i, t in enumerate(tokens)
+            ]
+            for b, (tokens, _, _) in enumerate(rows)
+        ]
+    return Generation(
+        tokens=[r[0] for r in rows],
+        texts=None if tokenizer is None else [r[1] for r in rows],
+        finish_reasons=[r[2] for r in rows],
+        logprobs=logprobs,
+        prompt_tokens=[len(p) for p in prompt_rows],
+        decode_steps=len(raw_rows[0]) - 1,
+        time_to_first_token_s=ttft,
+        decode_time_s=decode_time,
+        raw_tokens=raw_rows,
+    )
+
+
+
+
+def synchronize(device: torch.device):
+    """Waits for the device's queued work: what timings of CUDA work need."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # peak resident set, KiB on Linux
+
+
+def summarize(runs: list[Generation], model: Transformer, device: torch.device, compile_time: float | None) -> dict:
+    """Figures over all runs. A decode step advances every row by one token."""
+    batch = len(runs[0].tokens)
+    decode_steps = sum(r.decode_steps for r in runs)
+    decode_time = sum(r.decode_time_s for r in runs)
+    ttft = sum(r.time_to_first_token_s for r in runs) / len(runs)
+    steps_per_s = decode_steps / decode_time if decode_time > 0 else float("nan")
+    size = model_size_bytes(model)
+    return {
+        "prompt_tokens": runs[0].prompt_tokens,
+        "new_tokens": [len(row) for r in runs for row in r.tokens],
+        "time_to_first_token_s": ttft,
+        "prefill_tokens_per_s": sum(runs[0].prompt_tokens) / ttft,
+        "decode_tokens_per_s_per_row": steps_per_s,
+        "decode_tokens_per_s": steps_per_s * batch,
+        "bandwidth_gb_s": size * steps_per_s / 1e9,  # the weights are read once per decode step
+        "model_size_gb": size / 1e9,
+        "peak_memory_gb": peak_memory_gb(device),
+        "compile_time_s": compile_time,
+        "kernels": model.kernels.describe() if device.type == "cpu" else None,
+    }
+
+

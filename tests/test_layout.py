@@ -1,0 +1,86 @@
+"""The module graph: data flows one way (scripts -> generate -> quantize / tp -> model), no cycles, no project
+imports hidden inside functions, and a script run as __main__ is never imported a second time."""
+import ast
+import shutil
+import subprocess
+import sys
+
+from conftest import ROOT
+
+SOURCES = sorted(ROOT.glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+PROJECT = {path.stem for path in SOURCES}
+
+
+def project_imports(path) -> tuple[set[str], list[str]]:
+    """The project modules a file imports at its top level, and those it imports anywhere else (as 'line: name')."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top = {id(node) for node in tree.body}
+    imported, nested = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module.split(".")[0]]
+        else:
+            continue
+        for name in (n for n in names if n in PROJECT):
+            if id(node) in top:
+                imported.add(name)
+            else:
+                nested.append(f"{node.lineno}: {name}")
+    return imported, nested
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of the directed graph as a path [a, b, ..., a], or None."""
+    state = {}  # name -> "open" while on the current path, "done" after
+
+    def visit(name, path):
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                return path[path.index(other) :] + [other]
+            if other not in state and (cycle := visit(other, path + [other])):
+                return cycle
+        state[name] = "done"
+        return None
+
+    return next((c for name in sorted(graph) if name not in state and (c := visit(name, [name]))), None)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for other in graph[todo.pop()] - seen:
+            seen.add(other)
+            todo.append(other)
+    return seen
+
+
+def test_import_graph_is_acyclic_and_flows_one_way():
+    graph, nested = {}, {}
+    for path in SOURCES:
+        graph[path.stem], inside = project_imports(path)
+        if inside:
+            nested[path.name] = inside
+    assert not nested, f"project imports inside functions: {nested}"
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+    assert graph["model"] == set() and graph["tokenizer"] == set() and graph["sampling"] == set()
+    for module in ("quantize", "tp", "checkpoint", "results", "convert_hf_checkpoint", "convert_gguf"):
+        assert "generate" not in reachable(graph, module), f"{module} reaches generate.py"
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_a_script_is_imported_once(tiny_checkpoint, tmp_path):
+    """python quantize.py runs quantize.py as __main__ only: nothing imports a second copy as 'quantize'."""
+    checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "tiny") / "model.pth"
+    result = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "quantize.py"), "--checkpoint_path",
+                             str(checkpoint), "--mode", "int8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "model" in imported and "checkpoint" in imported  # what importtime reports: the project's modules too
+    assert "quantize" not in imported
