@@ -91,7 +91,7 @@ def prompt_lines(path: str) -> list[str]:
     try:
         lines = [line for line in read_text(Path(path)).splitlines() if line.strip()]
     except (ValueError, OSError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(describe(e)) from None
     if not lines:
         raise argparse.ArgumentTypeError(f"{path} holds no prompt")
     return lines
