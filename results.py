@@ -30,10 +30,10 @@ class Speculation:
     rounds: int = 0
     drafted: int = 0
     kept: int = 0
-    histogram: list[int] = field(default_factory=list)  # rounds that kept 0, 1, ..., k drafted tokens
+    histogram: list[int] = field(init=False)  # rounds that kept 0, 1, ..., k drafted tokens
 
     def __post_init__(self):
-        self.histogram = self.histogram or [0] * (self.k + 1)
+        self.histogram = [0] * (self.k + 1)
 
     def record(self, kept: int):
         """One round: k drafted, kept of them accepted."""
