@@ -129,10 +129,11 @@ class Kernels:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused or library")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
-        fused = "fused" if compiled and device.type == "cpu" else "library"
+        gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
         if matvec != "auto":
-            return cls(matvec, matvec, torch.bfloat16 if native_bf16 else torch.float32)
-        return cls(fused, fused if avx512 else "library", torch.bfloat16 if native_bf16 else torch.float32)
+            return cls(matvec, matvec, gemm_dtype)
+        fused = "fused" if compiled and device.type == "cpu" else "library"
+        return cls(fused, fused if avx512 else "library", gemm_dtype)
 
     def describe(self) -> dict:
         dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}

@@ -413,7 +413,9 @@ def default_text() -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="the floating-point model.pth")
-    parser.add_argument("--mode", required=True, choices=MODES, help="int8: per-channel weights; int4: per-group (--groupsize) by rounding; int4-gptq: per-group by GPTQ on calibration text")
+    parser.add_argument("--mode", required=True, choices=MODES,
+                        help="int8: per-channel weights; int4: per-group (--groupsize) by rounding; int4-gptq: "
+                             "per-group by GPTQ on calibration text")  # fmt: skip
     parser.add_argument("--groupsize", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     parser.add_argument("--calibration_file", type=Path, help="GPTQ calibration text (default: Python's pydoc topics)")
     parser.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")

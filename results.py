@@ -107,8 +107,6 @@ def collect(raw_rows, logprob_steps, prompt_rows, eos_ids, stop, tokenizer, ttft
     )
 
 
-
-
 def synchronize(device: torch.device):
     """Waits for the device's queued work: what timings of CUDA work need."""
     if device.type == "cuda":

@@ -79,7 +79,8 @@ class SamplerState(NamedTuple):
 
 
 def sampler_state(params: SamplingParams, rows: list[list[int]], vocab_size: int, device) -> SamplerState:
-    knobs = {k: torch.tensor(float(getattr(params, k)), dtype=torch.float32, device=device) for k in SamplerState._fields[:7]}
+    names = [k for k in SamplerState._fields if k not in ("seen", "counts", "noise")]  # the settings
+    knobs = {k: torch.tensor(float(getattr(params, k)), dtype=torch.float32, device=device) for k in names}
     seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
     for b, row in enumerate(rows):
         seen[b, torch.tensor(row, dtype=torch.long, device=device)] = True
