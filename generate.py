@@ -378,7 +378,8 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     arg = p.add_argument
-    arg("--prompt", action="append", type=utf8_text, help='text to continue; several --prompt make one batch; none: "Hello, my name is"')
+    arg("--prompt", action="append", type=utf8_text,
+        help='text to continue; several --prompt make one batch; none: the text piped to stdin, else "Hello, my name is"')  # fmt: skip
     arg("--prompts_file", type=prompt_lines, help="a text file, one prompt a line, all in one batch (with any --prompt)")
     arg("--interactive", action="store_true", help="a conversation on stdin (chat template if any)")
     arg("--system", default=None, type=utf8_text, help="system message for --interactive")
@@ -487,6 +488,7 @@ def load_models(args, device: torch.device, shard) -> tuple[Transformer, Tokeniz
 
 
 def run(args, device: torch.device, shard=None):
+    piped = None if args.interactive or args.prompt or args.prompts_file else piped_text(shard)  # before loading
     model, tokenizer, draft = load_models(args, device, shard)
     sampling = sampling_params(args)
     check_logprobs(sampling, model.config.vocab_size)
@@ -501,7 +503,7 @@ def run(args, device: torch.device, shard=None):
                     stop=args.stop, steps=steps)  # fmt: skip
         return chat_loop(chat, tp.line_reader(shard))
 
-    texts = (args.prompt or []) + (args.prompts_file or []) or ["Hello, my name is"]
+    texts = (args.prompt or []) + (args.prompts_file or []) or [piped or "Hello, my name is"]
     prompts = check_prompts([tokenizer.encode(text) for text in texts])
     single = len(prompts) == 1 and args.batch_size == 1
     if draft is not None and not single:
@@ -541,6 +543,22 @@ def run(args, device: torch.device, shard=None):
         stats["plain_decode_tokens_per_s"] = plain["decode_tokens_per_s"]
         stats["speedup_over_plain_decoding"] = stats["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     report(results, stats, shard, args.json, args.logprobs is not None)
+
+
+def piped_text(shard) -> str | None:
+    """What was piped to stdin (echo "text" | generate.py ...), without its last newline: None from a terminal
+    or an empty pipe. Under torchrun rank 0 reads it and passes it to the others."""
+    data = None
+    if sys.stdin is not None and not sys.stdin.isatty() and (shard is None or shard.rank == 0):
+        try:
+            data = sys.stdin.buffer.read()
+        except OSError:  # a closed or unreadable stdin (pytest's, when main() runs in a test) has no text
+            data = None
+    data = tp.from_rank0(data) if shard is not None else data
+    try:
+        return data.decode("utf-8").removesuffix("\n") if data else None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not valid UTF-8 (byte {e.start})") from None
 
 
 def warm_up(run_once, max_new_tokens: int, speculative: bool) -> float:

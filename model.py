@@ -1,9 +1,13 @@
-"""A Llama-family transformer with a static, pre-allocated KV cache.
+"""One decoder-only transformer with a static, pre-allocated KV cache, for every family we support.
+
+The families differ only in ModelArgs fields (README has the table): Llama, Mistral (sliding window), Qwen2/3,
+Gemma 1/2/3, GPT-2, Phi-3 and Mixtral (mixture of experts) are all this one model.
 
 The rotary embedding works on interleaved pairs (x0, x1), (x2, x3), ... as in Meta's original
 Llama code and in GGUF files; Hugging Face checkpoints store q/k rows in a "half-split" order,
 which scripts/convert_hf_checkpoint.py permutes into this one.
 """
+import functools
 import json
 import math
 import os
@@ -33,6 +37,23 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias also sets the next one)
     attention_out_bias: bool = False  # bias on the attention output projection
+    norm_type: str = "rmsnorm"  # or "gemma_rmsnorm" (scales by 1 + weight), "layernorm" (GPT-2: with bias)
+    hidden_act: str = "silu"  # or "gelu_tanh" (Gemma, GPT-2)
+    gated_mlp: bool = True  # w2(act(w1 x) * w3 x); False: w2(act(w1 x)) (GPT-2)
+    mlp_bias: bool = False
+    position_embedding: str = "rope"  # or "learned" (GPT-2: a table of block_size positions, no rotary)
+    scale_embeddings: bool = False  # multiply embeddings by sqrt(dim) (Gemma)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Gemma 3)
+    post_norms: bool = False  # normalise attention and MLP outputs before the residual sum too (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power; None: head_dim's
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the output logits
+    sliding_window: int | None = None  # sliding layers see this many positions, their own included
+    layer_types: list | None = None  # "full_attention" or "sliding_attention" per layer; None: all sliding
+    #   if sliding_window is set, else all full
+    rope_local_base: float | None = None  # rotary base of sliding layers, unscaled (Gemma 3); None: as full ones
+    n_experts: int = 0  # mixture of experts per layer (Mixtral); 0: one dense MLP
+    n_experts_per_token: int = 2
 
     def __post_init__(self):
         # Types first: a config is user input, and a wrong type would fail later with an obscure error.
@@ -53,15 +74,34 @@ class ModelArgs:
         for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("rope_base", "norm_eps"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {getattr(self, name)!r}")
+        for name in ("rope_base", "norm_eps", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+                     "rope_local_base"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        choices = {"norm_type": ("rmsnorm", "gemma_rmsnorm", "layernorm"), "hidden_act": tuple(ACTIVATIONS),
+                   "position_embedding": ("rope", "learned")}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.layer_types is None:
+            self.layer_types = [LAYER_TYPES[self.sliding_window is not None]] * self.n_layer
+        if len(self.layer_types) != self.n_layer or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must list {self.n_layer} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.n_experts < 0:
+            raise ValueError(f"n_experts must be >= 0, got {self.n_experts}")
+        if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
+            raise ValueError(f"n_experts_per_token must be in 1..{self.n_experts}, got {self.n_experts_per_token}")
         if self.n_head % self.n_kv_heads:
             raise ValueError(f"n_head {self.n_head} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.rope_scaling is not None:
-            check_rope_scaling(self.rope_scaling)
+            check_rope_scaling(self.rope_scaling, self.head_dim)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelArgs":
@@ -90,18 +130,33 @@ class ModelArgs:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2)
 
 
-LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+# The numbers each kind of rope_scaling takes (longrope also takes short_factor and long_factor lists).
+ROPE_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+    "longrope": ("original_max_position_embeddings", "attention_factor"),
+}
 
 
-def check_rope_scaling(scaling: dict):
-    if scaling.get("rope_type") != "llama3":
-        raise ValueError(f"unsupported rope_scaling {scaling!r} (only 'llama3' is supported)")
-    for key in LLAMA3_SCALING_KEYS:
-        value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"rope_scaling {key} must be a positive number, got {value!r}")
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+def positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def check_rope_scaling(scaling: dict, head_dim: int):
+    kind = scaling.get("rope_type")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ValueError(f"unsupported rope_scaling {scaling!r} (supported: {', '.join(ROPE_SCALING_KEYS)})")
+    for key in ROPE_SCALING_KEYS[kind]:
+        if not positive_number(scaling.get(key)):
+            raise ValueError(f"rope_scaling {key} must be a positive number, got {scaling.get(key)!r}")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError("rope_scaling high_freq_factor must exceed low_freq_factor")
+    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2 or not all(map(positive_number, factors)):
+            raise ValueError(f"rope_scaling {key} must be a list of {head_dim // 2} positive numbers")
 
 
 @dataclass(frozen=True)
@@ -142,9 +197,9 @@ class Kernels:
 
 
 def model_size_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: all of them but the embedding table, of which it reads one
-    row, unless the output projection reuses it (tied embeddings)."""
-    skip = {"tok_embeddings.weight"} if model.output is not None else set()
+    """Bytes of weights a decode step reads: all of them but the embedding tables, of which it reads one
+    row, unless the output projection reuses the token table (tied embeddings)."""
+    skip = {"pos_embeddings.weight"} | ({"tok_embeddings.weight"} if model.output is not None else set())
     return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
 
 
@@ -200,8 +255,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        learned = config.position_embedding == "learned"
+        self.pos_embeddings = nn.Embedding(config.block_size, config.dim) if learned else None
+        self.layers = nn.ModuleList(TransformerBlock(config, kind) for kind in config.layer_types)
+        self.norm = make_norm(config, config.dim)
         # With tied embeddings the output projection reuses tok_embeddings.weight and has no weight of its own.
         self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
         self.max_batch_size = -1
@@ -229,103 +286,169 @@ class Transformer(nn.Module):
             raise ValueError(f"a KV cache of {max_batch_size} rows x {max_seq_length} positions ({size / 1e9:.1f} GB) "
                              f"does not fit in the free memory of {device}") from None  # fmt: skip
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
-        self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+        if c.position_embedding == "rope":
+            freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
+            self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
+            if c.rope_local_base is not None:
+                local = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_local_base, None)
+                self.register_buffer("local_freqs_cis", local.to(device), persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, left_pad: Tensor | None = None, last_only: bool = False) -> Tensor:
         # idx: [B, S] token ids in cache slots input_pos [S]; returns logits [B, S, vocab] in float32.
-        # left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens start at rotary position 0.
+        # left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens start at position 0.
         # last_only: logits [B, 1, vocab] of the last position alone, which is all a prefill samples from
         # (the output projection over every prompt position was 14% of a 128-token float32 prefill here).
         assert self.max_seq_length > 0, "call setup_caches() first"
         bsz = idx.shape[0]
         if bsz > self.max_batch_size:
             raise ValueError(f"batch of {bsz} rows is larger than the cache, set up for {self.max_batch_size}")
-        freqs_cis, mask = self.attention_inputs(input_pos, left_pad, bsz)
-        x = self.tok_embeddings(idx)
+        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz)
+        x = self.embed(idx, positions)
         for layer in self.layers:
-            x = layer(x, input_pos, freqs_cis, mask)
+            x = layer(x, input_pos, *inputs[layer.attention.kind])
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             logits = linear(x, self.tok_embeddings.weight, fused=self.kernels.float_matvec == "fused")
         else:
             logits = self.output(x)
-        return logits.float()
+        return softcap(logits.float(), self.config.final_logit_softcap)
 
-    def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int) -> tuple[Tensor, Tensor]:
-        """Rotary angles [B, S, head_dim / 2, 2] and attention mask [B, 1, S, max_seq] for these positions."""
+    def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
+        """The first layer's input: token embeddings (plus learned position embeddings), [B, S, dim]."""
+        x = self.tok_embeddings(idx)
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings(positions)
+        if self.config.scale_embeddings:  # by sqrt(dim) rounded to the model's dtype, as Gemma's reference does
+            x = x * torch.tensor(self.config.dim**0.5, dtype=x.dtype)
+        return x
+
+    def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int) -> tuple[Tensor, dict]:
+        """Each row's positions [B, S] (0 at its first real token), and for each kind of layer its rotary
+        angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention mask [B, 1, S, max_seq]."""
         if left_pad is None:
             left_pad = torch.zeros(bsz, dtype=torch.long, device=input_pos.device)
         slots = torch.arange(self.max_seq_length, device=input_pos.device)
-        # A query in slot p sees slots pad..p of its row; later slots hold stale or zero entries.
-        # A padding query sees only itself, so that no softmax row is empty (its output is never used).
+        # A query in slot p sees slots pad..p of its row (a sliding layer: the last sliding_window of them);
+        # later slots hold stale or zero entries. A padding query sees only itself, so that no softmax row is
+        # empty (its output is never used).
         causal = input_pos[:, None] >= slots  # [S, max_seq]
         not_padding = slots >= left_pad[:, None]  # [B, max_seq]
-        mask = (causal & not_padding[:, None, :]) | (input_pos[:, None] == slots)  # [B, S, max_seq]
+        itself = input_pos[:, None] == slots
         positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
-        return self.freqs_cis[positions], mask[:, None]
+        inputs = {}
+        for kind in set(self.config.layer_types):
+            seen = causal if kind == "full_attention" else causal & (input_pos[:, None] - slots < self.config.sliding_window)
+            mask = (seen & not_padding[:, None, :]) | itself  # [B, S, max_seq]
+            freqs = None
+            if self.config.position_embedding == "rope":
+                local = kind == "sliding_attention" and self.config.rope_local_base is not None
+                freqs = (self.local_freqs_cis if local else self.freqs_cis)[positions]
+            inputs[kind] = (freqs, mask[:, None])
+        return positions, inputs
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, kind: str):
         super().__init__()
-        self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, kind)
+        self.feed_forward = MoEFeedForward(config) if config.n_experts else FeedForward(config)
+        self.attention_norm = make_norm(config, config.dim)
+        self.ffn_norm = make_norm(config, config.dim)
+        post_norm = functools.partial(make_norm, config, config.dim) if config.post_norms else nn.Identity
+        self.post_attention_norm, self.post_ffn_norm = post_norm(), post_norm()
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), input_pos, freqs_cis, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor) -> Tensor:
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, freqs_cis, mask))
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArgs):
+    def __init__(self, config: ModelArgs, kind: str):
         super().__init__()
+        self.kind = kind  # "full_attention" or "sliding_attention": which mask and rotary angles it takes
         self.n_head, self.n_kv_heads, self.head_dim = config.n_head, config.n_kv_heads, config.head_dim
         qkv_size = (config.n_head + 2 * config.n_kv_heads) * config.head_dim
         # q, k and v projections fused into one matrix: one matmul per layer instead of three.
         self.wqkv = Linear(config.dim, qkv_size, bias=config.attention_bias)
         self.wo = Linear(config.n_head * config.head_dim, config.dim, bias=config.attention_out_bias)
+        qk_norm = functools.partial(make_norm, config, config.head_dim) if config.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = qk_norm(), qk_norm()
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.logit_softcap = config.attn_logit_softcap
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(bsz, seqlen, self.n_head, self.head_dim)
-        k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(q.view(bsz, seqlen, self.n_head, self.head_dim))
+        k = self.k_norm(k.view(bsz, seqlen, self.n_kv_heads, self.head_dim))
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        if freqs_cis is not None:
+            q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
-        if seqlen == 1:  # a decode step: plain ops, which inductor fuses (SDPA's CPU kernel costs ~0.1 ms a call)
-            y = one_query_attention(q, k, v, mask)
+        # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel costs ~0.1 ms a call); so does
+        # soft-capping, which SDPA cannot do.
+        if seqlen == 1 or self.logit_softcap is not None:
+            y = grouped_attention(q, k, v, mask, self.scale, self.logit_softcap)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_heads)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.n_head != self.n_kv_heads)  # fmt: skip
         y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
         return self.wo(y)
 
 
-def one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v for one query position. q [B, H, 1, D], k and v [B, H_kv, T, D],
-    mask [B, 1, 1, T]; the query heads that share a KV head (head i uses KV head i // group) become rows."""
-    bsz, n_head, _, head_dim = q.shape
-    rows = q.reshape(bsz, k.shape[1], n_head // k.shape[1], head_dim)
-    scores = (rows.float() @ k.float().transpose(-1, -2)) / math.sqrt(head_dim)  # [B, H_kv, group, T]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-    return (probs @ v.float()).to(q.dtype).reshape(bsz, n_head, 1, head_dim)
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, logit_softcap: float | None) -> Tensor:
+    """softmax(q k^T * scale) v in float32. q [B, H, S, D], k and v [B, H_kv, T, D], mask [B, 1, S, T]; the
+    query heads that share a KV head (head i uses KV head i // group) become rows of one product."""
+    bsz, n_head, seqlen, head_dim = q.shape
+    n_kv = k.shape[1]
+    rows = q.reshape(bsz, n_kv, n_head // n_kv * seqlen, head_dim)
+    scores = softcap((rows.float() @ k.float().transpose(-1, -2)) * scale, logit_softcap)  # [B, H_kv, group * S, T]
+    scores = scores.view(bsz, n_kv, -1, seqlen, k.shape[2]).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1).view(bsz, n_kv, -1, k.shape[2])
+    return (probs @ v.float()).to(q.dtype).reshape(bsz, n_head, seqlen, head_dim)
+
+
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    return x if cap is None else cap * torch.tanh(x / cap)
 
 
 class FeedForward(nn.Module):
     def __init__(self, config: ModelArgs):
         super().__init__()
-        self.w1 = Linear(config.dim, config.intermediate_size, bias=False)  # gate
-        self.w3 = Linear(config.dim, config.intermediate_size, bias=False)  # up
-        self.w2 = Linear(config.intermediate_size, config.dim, bias=False)  # down
+        self.w1 = Linear(config.dim, config.intermediate_size, bias=config.mlp_bias)  # gate (GPT-2: up)
+        self.w3 = Linear(config.dim, config.intermediate_size, bias=config.mlp_bias) if config.gated_mlp else None  # up
+        self.w2 = Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)  # down
+        self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = self.act(self.w1(x))
+        return self.w2(h if self.w3 is None else h * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Mixture of experts (Mixtral): each token's output is the sum of its n_experts_per_token best-scored
+    experts' outputs, weighted by the router's softmax renormalised over them.
+
+    Every expert runs on every token, weighted zero where it was not chosen: one graph for any routing (no
+    data-dependent shapes, so torch.compile has no graph break), and quantization and tensor parallelism
+    treat each expert as an ordinary FeedForward. The price: n_experts / n_experts_per_token times the
+    MLP work and weight reads of the experts actually chosen."""
+
+    def __init__(self, config: ModelArgs):
+        super().__init__()
+        self.top_k = config.n_experts_per_token
+        # A plain parameter, not a Linear: quantization leaves the small, routing-critical router in float.
+        self.router = nn.Parameter(torch.empty(config.n_experts, config.dim))
+        self.experts = nn.ModuleList(FeedForward(config) for _ in range(config.n_experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = F.linear(x, self.router).float().softmax(dim=-1)
+        top, chosen = scores.topk(self.top_k, dim=-1)
+        weights = torch.zeros_like(scores).scatter(-1, chosen, top / top.sum(-1, keepdim=True)).to(x.dtype)
+        return sum(weights[..., e, None] * expert(x) for e, expert in enumerate(self.experts))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None,
@@ -349,23 +472,40 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, fused=self.kernels.float_matvec == "fused")
 
 
+def make_norm(config: ModelArgs, dim: int) -> nn.Module:
+    if config.norm_type == "layernorm":
+        return nn.LayerNorm(dim, config.norm_eps)
+    return RMSNorm(dim, config.norm_eps, unit_offset=config.norm_type == "gemma_rmsnorm")
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 as the reference does, whatever the weights' dtype.
+        # Normalise in float32 as the references do, whatever the weights' dtype; Gemma's scales by 1 + weight
+        # in float32 too, Llama's by weight in the input's dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
         return self.weight * xf.type_as(x)
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, seq_len: int) -> Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "longrope":
+        # Phi-3: a divisor per frequency, the long set when the sequence reaches past the original context.
+        # Hugging Face picks the set on each call by the sequence so far; a static cache picks it once, by
+        # the length it is set up for, so that keys already cached never mix the two sets.
+        long = seq_len > scaling["original_max_position_embeddings"]
+        return inv_freq / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
@@ -377,10 +517,12 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
 
 
 def precompute_freqs_cis(seq_len: int, head_dim: int, base: float, scaling: dict | None) -> Tensor:
-    # Returns [seq_len, head_dim // 2, 2] holding (cos, sin) of each position's angle for each pair.
-    inv_freq = rope_inv_freq(head_dim, base, scaling).float()
+    # Returns [seq_len, head_dim // 2, 2] holding (cos, sin) of each position's angle for each pair, times
+    # longrope's attention factor (which scales the attention logits by its square).
+    inv_freq = rope_inv_freq(head_dim, base, scaling, seq_len).float()
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1)
+    factor = scaling.get("attention_factor", 1.0) if scaling is not None else 1.0
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1) * factor
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:

@@ -305,8 +305,13 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
     samples, seq_length = tokens.shape
     model.setup_caches(batch, seq_length)
     input_pos = torch.arange(seq_length)
-    freqs_cis, mask = model.attention_inputs(input_pos, None, batch)
-    xs = [model.tok_embeddings(tokens[i : i + batch]) for i in range(0, samples, batch)]
+    positions, inputs = model.attention_inputs(input_pos, None, batch)
+    xs = [model.embed(rows, positions[: len(rows)]) for rows in tokens.split(batch)]
+
+    def run(layer, x):  # the layer on a batch of len(x) rows
+        freqs_cis, mask = inputs[layer.attention.kind]
+        return layer(x, input_pos, None if freqs_cis is None else freqs_cis[: len(x)], mask[: len(x)])
+
     results = {}
     for index, layer in enumerate(tqdm(model.layers, desc="GPTQ", unit="layer")):
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
@@ -321,14 +326,14 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
 
         handles = [m.register_forward_hook(accumulate(name)) for name, m in linears.items()]
         for x in xs:
-            layer(x, input_pos, freqs_cis[: len(x)], mask[: len(x)])
+            run(layer, x)
         for handle in handles:
             handle.remove()
         for name, linear in linears.items():
             codes, scales, zeros = gptq_int4(linear.weight, hessians[name], groupsize, act_order=act_order)
             linear.weight.copy_(dequantize_int4(codes, scales, zeros, groupsize))
             results[f"layers.{index}.{name}"] = (codes, scales, zeros)
-        xs = [layer(x, input_pos, freqs_cis[: len(x)], mask[: len(x)]) for x in xs]
+        xs = [run(layer, x) for x in xs]
     return results
 
 

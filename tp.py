@@ -202,9 +202,12 @@ def apply_tp(model: Transformer, shard: Shard):
         keep_inputs(attn.wo, heads[0], keep_bias=first)
         attn.n_head, attn.n_kv_heads = c.n_head // shard.world_size, c.n_kv_heads // shard.world_size
         attn.register_forward_hook(all_reduce_output)
-        keep_outputs(ff.w1, [units])
-        keep_outputs(ff.w3, [units])
-        keep_inputs(ff.w2, units, keep_bias=first)
+        # Mixture of experts: each expert is split like a dense MLP (not whole experts to ranks), so every rank
+        # does an equal share of every token's work whatever the routing; the router is replicated.
+        for mlp in getattr(ff, "experts", [ff]):
+            for linear in (mlp.w1, mlp.w3) if mlp.w3 is not None else (mlp.w1,):
+                keep_outputs(linear, [units])
+            keep_inputs(mlp.w2, units, keep_bias=first)
         ff.register_forward_hook(all_reduce_output)
     if c.vocab_size % shard.world_size == 0:  # otherwise every rank computes all the logits
         if model.output is None:  # tied: the output projection becomes a slice of the embedding table

@@ -1,4 +1,5 @@
-"""Convert a Hugging Face Llama-family model folder into a checkpoint folder of ours.
+"""Convert a Hugging Face model folder (Llama, Mistral, Mixtral, Qwen2/3, Phi-3, GPT-2, Gemma 1/2/3) into a
+checkpoint folder of ours.
 
     python scripts/convert_hf_checkpoint.py --checkpoint_dir HF_FOLDER --out_dir checkpoints/NAME
 
@@ -6,6 +7,7 @@ The output folder holds model.pth (our parameter names), config.json (ModelArgs)
 files. It is written to a temporary folder first and renamed at the end, so a failed run leaves nothing.
 """
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -27,48 +29,140 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "generation_config.json",
 )
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "gpt2", *GEMMAS, "gemma3")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}  # when the config omits it
 
 
 def hf_config_to_args(hf: dict) -> ModelArgs:
+    """Our ModelArgs for a Hugging Face config.json. Every setting that changes the numerics is either
+    expressed or refused: a model is never converted into a different one."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
-        raise ValueError("only SiLU-gated MLPs without bias are supported")
-    if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
-        raise ValueError("sliding-window attention is not supported")
-    # transformers 5 keeps rope settings in "rope_parameters"; earlier versions in rope_theta / rope_scaling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"rope_parameters / rope_scaling must be an object, got {rope!r}")
-    rope = dict(rope)
-    rope_base = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        rope_scaling = None
-    elif rope_type == "llama3":
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        rope_scaling = {"rope_type": "llama3", **{k: rope[k] for k in keys}}
-    else:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
+    if model_type == "gemma3":  # the multimodal model: its language model, without the vision tower
+        tied = hf.get("tie_word_embeddings", hf["text_config"].get("tie_word_embeddings", True))  # the outer one rules
+        hf = {**hf["text_config"], "model_type": "gemma3_text", "tie_word_embeddings": tied}
+        model_type = "gemma3_text"
+    if model_type == "gpt2":
+        return gpt2_config_to_args(hf)
+    gemma = model_type in GEMMAS
+    # Gemma 1 names its activation hidden_act, Gemma 2/3 hidden_activation; both mean the tanh GELU.
+    act = (hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh") if gemma else hf.get("hidden_act", "silu")
+    act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act  # Gemma 1's legacy name for it, as HF reads it
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (an embedding model) is not supported")
+    if model_type == "phi3" and (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    n_head = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or DEFAULT_HEAD_DIMS.get(model_type) or hf["hidden_size"] // n_head
+    rope_base, rope_scaling, rope_local_base = hf_rope(hf, model_type, head_dim)
+    window, layer_types = hf_attention_layers(hf, model_type)
+    bias = hf.get("attention_bias", model_type == "qwen2")
     return ModelArgs(
         dim=hf["hidden_size"],
         n_layer=hf["num_hidden_layers"],
-        n_head=hf["num_attention_heads"],
+        n_head=n_head,
         n_kv_heads=hf.get("num_key_value_heads"),  # None: as many as n_head
-        head_dim=hf.get("head_dim"),  # None: dim // n_head
+        head_dim=head_dim,
         intermediate_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         block_size=hf.get("max_position_embeddings", 2048),
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=hf.get("attention_bias", model_type == "qwen2"),
-        # Qwen2 has q/k/v biases only; Llama's attention_bias covers o_proj too.
-        attention_out_bias=model_type != "qwen2" and hf.get("attention_bias", False),
+        tie_word_embeddings=hf.get("tie_word_embeddings", gemma),  # Gemma's default: tied
+        attention_bias=bias,
+        attention_out_bias=model_type != "qwen2" and bias,  # Qwen2 has q/k/v biases only
+        norm_type="gemma_rmsnorm" if gemma else "rmsnorm",
+        hidden_act=ACTIVATIONS[act],
+        mlp_bias=hf.get("mlp_bias", False),
+        scale_embeddings=gemma,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        post_norms=model_type in ("gemma2", "gemma3_text"),
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if model_type != "gemma" else None,
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_base=rope_local_base,
+        n_experts=hf.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+        n_experts_per_token=hf.get("num_experts_per_tok", 2) if model_type == "mixtral" else 2,
     )
+
+
+def gpt2_config_to_args(hf: dict) -> ModelArgs:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ACTIVATIONS or ACTIVATIONS[act] != "gelu_tanh":
+        raise ValueError(f"unsupported GPT-2 activation_function {act!r} (supported: gelu_new, gelu_pytorch_tanh)")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
+    dim = hf["n_embd"]
+    return ModelArgs(
+        dim=dim, n_layer=hf["n_layer"], n_head=hf["n_head"], intermediate_size=hf.get("n_inner") or 4 * dim,
+        vocab_size=hf["vocab_size"], block_size=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True), attention_bias=True, attention_out_bias=True, norm_type="layernorm",
+        hidden_act="gelu_tanh", gated_mlp=False, mlp_bias=True, position_embedding="learned",
+    )  # fmt: skip
+
+
+def hf_rope(hf: dict, model_type: str, head_dim: int) -> tuple[float, dict | None, float | None]:
+    """(rope_base, rope_scaling, rope_local_base) of a config. transformers 5 keeps the settings in
+    "rope_parameters" (Gemma 3: one set per kind of layer); earlier versions in rope_theta / rope_scaling."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters / rope_scaling must be an object, got {rope!r}")
+    local_base = None
+    if model_type == "gemma3_text":
+        local = rope.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope scaling of sliding layers {local!r} (supported: default)")
+        local_base = local["rope_theta"]
+        rope = rope.get("full_attention", rope)
+    rope = dict(rope)
+    default_base = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
+    rope_base = rope.pop("rope_theta", hf.get("rope_theta", default_base))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = "longrope" if model_type == "phi3" and rope_type in ("su", "yarn") else rope_type  # as HF reads Phi-3
+    if rope_type == "default":
+        return rope_base, None, local_base
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return rope_base, {"rope_type": "llama3", **{k: rope[k] for k in keys}}, local_base
+    if rope_type == "linear":
+        return rope_base, {"rope_type": "linear", "factor": rope["factor"]}, local_base
+    if rope_type == "longrope":
+        original = rope.get("original_max_position_embeddings") or hf["original_max_position_embeddings"]
+        factor = rope.get("factor") or hf["max_position_embeddings"] / original
+        # The paper's attention scaling unless the config gives one (Phi-3 derives factor from the two lengths).
+        attention_factor = rope.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)  # fmt: skip
+        return rope_base, {"rope_type": "longrope", "short_factor": rope["short_factor"],
+                           "long_factor": rope["long_factor"], "original_max_position_embeddings": original,
+                           "attention_factor": attention_factor}, local_base  # fmt: skip
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope)")
+
+
+def hf_attention_layers(hf: dict, model_type: str) -> tuple[int | None, list | None]:
+    """(sliding_window, layer_types): which layers attend to a sliding window, as transformers decides it."""
+    window = hf.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        window = None  # their configs carry a window they do not use
+    if window is None:
+        return None, None
+    if hf.get("layer_types") is not None:
+        return window, list(hf["layer_types"])
+    n = hf["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3"):  # the first max_window_layers layers attend to everything
+        first_full = hf.get("max_window_layers", n)
+        return window, ["full_attention" if i < first_full else "sliding_attention" for i in range(n)]
+    if model_type in ("gemma2", "gemma3_text"):  # every other layer global (Gemma 2); every sixth (Gemma 3)
+        period = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+        return window, ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    return window, None  # all layers slide: Mistral, Mixtral, Phi-3
 
 
 def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -109,49 +203,95 @@ def read_weight_file(path: Path) -> dict:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+# Hugging Face names inside a block -> ours (a name that is not here is refused, see hf_layer_tensors).
+LAYER_RENAMES = {
+    "self_attn.o_proj": "attention.wo",
+    "self_attn.q_norm": "attention.q_norm",
+    "self_attn.k_norm": "attention.k_norm",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",  # Gemma 2/3: post_attention_norm (see hf_layer_tensors)
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffn_norm",
+    "block_sparse_moe.gate": "feed_forward.router",
+    # GPT-2 (transformer.h.{i}.*), whose Conv1D weights are stored [in, out]
+    "ln_1": "attention_norm",
+    "ln_2": "ffn_norm",
+    "attn.c_attn": "attention.wqkv",
+    "attn.c_proj": "attention.wo",
+    "mlp.c_fc": "feed_forward.w1",
+    "mlp.c_proj": "feed_forward.w2",
+}
+GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+TOP_RENAMES = {
+    "model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output",
+    "wte": "tok_embeddings", "wpe": "pos_embeddings", "ln_f": "norm",
+}  # fmt: skip
+
+
+def hf_name_parts(name: str) -> tuple[str | None, str]:
+    """(layer index or None, name within the layer or the model) with the model's prefixes removed;
+    ("", "") for tensors that are not weights of the language model."""
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):  # Gemma 3 multimodal
+        if name.startswith(prefix):
+            name = ("model." if prefix != "language_model." else "") + name[len(prefix) :]
+    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")):
+        return None, ""
+    name = name.removeprefix("transformer.")  # GPT-2
+    for layers in ("model.layers.", "h."):
+        if name.startswith(layers):
+            index, rest = name[len(layers) :].split(".", 1)
+            return index, rest
+    return None, name
+
+
 def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -> dict:
-    renames = {
-        "model.embed_tokens.weight": "tok_embeddings.weight",
-        "model.norm.weight": "norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    layer_renames = {
-        "self_attn.o_proj.weight": "attention.wo.weight",
-        "self_attn.o_proj.bias": "attention.wo.bias",
-        "mlp.gate_proj.weight": "feed_forward.w1.weight",
-        "mlp.up_proj.weight": "feed_forward.w3.weight",
-        "mlp.down_proj.weight": "feed_forward.w2.weight",
-        "input_layernorm.weight": "attention_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-    }
     out, pending_qkv = {}, {}
+    q_size, kv_size = args.n_head * args.head_dim, args.n_kv_heads * args.head_dim
+    rotary = args.position_embedding == "rope"
     for name, t in tensors:
         t = t.to(dtype) if dtype is not None else t
-        if name in renames:
-            if name == "lm_head.weight" and args.tie_word_embeddings:
+        index, rest = hf_name_parts(name)
+        module, _, kind = rest.rpartition(".")  # kind: weight or bias
+        if rest == "" or "rotary_emb" in rest or rest in ("attn.bias", "attn.masked_bias"):
+            continue  # not the language model's; precomputed rotary angles; GPT-2's causal-mask buffers
+        if index is None:
+            if module not in TOP_RENAMES:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            if module == "lm_head" and args.tie_word_embeddings:
                 continue  # stored once, as tok_embeddings.weight
-            out[renames[name]] = t
+            out[f"{TOP_RENAMES[module]}.{kind}"] = t
             continue
-        parts = name.split(".")  # model.layers.{i}.{rest}
-        if parts[:2] != ["model", "layers"] or "rotary_emb" in name:
-            if "rotary_emb" in name:
-                continue  # precomputed frequencies some old checkpoints carry; we compute our own
-            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-        i, rest = parts[2], ".".join(parts[3:])
-        if rest in layer_renames:
-            out[f"layers.{i}.{layer_renames[rest]}"] = t
-        elif rest.split(".")[0] == "self_attn" and rest.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
-            proj, kind = rest.split(".")[1], rest.split(".")[2]  # kind: weight or bias
-            if proj == "q_proj":
-                t = permute_rotary(t, args.n_head)
-            elif proj == "k_proj":
-                t = permute_rotary(t, args.n_kv_heads)
-            group = pending_qkv.setdefault((i, kind), {})
-            group[proj] = t
+        prefix = f"layers.{index}."
+        if module in GPT2_CONV1D and kind == "weight":
+            t = t.T.contiguous()
+        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj"):
+            group = pending_qkv.setdefault((index, kind), {})
+            parts = t.split([q_size, kv_size, kv_size]) if module == "self_attn.qkv_proj" else [t]  # Phi-3: fused
+            names = ("q", "k", "v") if module == "self_attn.qkv_proj" else (module[-6],)
+            group.update(zip(names, parts))
             if len(group) == 3:
-                fused = torch.cat([group["q_proj"], group["k_proj"], group["v_proj"]])
-                out[f"layers.{i}.attention.wqkv.{kind}"] = fused
-                del pending_qkv[(i, kind)]
+                q, k, v = group["q"], group["k"], group["v"]
+                if rotary:
+                    q, k = permute_rotary(q, args.n_head), permute_rotary(k, args.n_kv_heads)
+                out[f"{prefix}attention.wqkv.{kind}"] = torch.cat([q, k, v])
+                del pending_qkv[(index, kind)]
+        elif module == "mlp.gate_up_proj":  # Phi-3: gate and up projections stacked
+            out[f"{prefix}feed_forward.w1.{kind}"], out[f"{prefix}feed_forward.w3.{kind}"] = t.chunk(2)
+        elif module.startswith("block_sparse_moe.experts."):  # Mixtral: experts.{e}.w1/w2/w3 as ours
+            out[f"{prefix}feed_forward.experts.{module.split('.', 2)[2]}.{kind}"] = t
+        elif module in LAYER_RENAMES:
+            ours = LAYER_RENAMES[module]
+            if module == "post_attention_layernorm" and args.post_norms:
+                ours = "post_attention_norm"
+            if module == "block_sparse_moe.gate":
+                out[f"{prefix}{ours}"] = t
+                continue
+            if module in ("self_attn.q_norm", "self_attn.k_norm") and rotary:
+                t = permute_rotary(t, 1)  # one weight per head dimension, reordered as the q/k rows were
+            out[f"{prefix}{ours}.{kind}"] = t
         else:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     if pending_qkv:

@@ -7,7 +7,8 @@ bash scripts/prepare.sh
 # A persistent inductor cache makes the compiled tests fast after their first run.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 status=0
-python -m pytest -q tests "$@" || status=$?
+# stdin from /dev/null: a script a test runs without input of its own must not wait on the terminal or CI pipe.
+python -m pytest -q tests "$@" </dev/null || status=$?
 if [ "$status" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
   exit 5
@@ -24,7 +25,7 @@ fi
 if [ "$status" -eq 0 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   echo "== the numerics tests again, on the AVX2 code paths (ATEN_CPU_CAPABILITY=avx2)"
   ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-    python -m pytest -q tests -m numerics "$@" || status=$?
+    python -m pytest -q tests -m numerics "$@" </dev/null || status=$?
   if [ "$status" -eq 5 ]; then  # the extra arguments selected no numerics test: nothing to repeat
     status=0
   fi

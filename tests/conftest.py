@@ -63,8 +63,11 @@ def tiny_tokenizer_json(tmp_path_factory) -> Path:
     return path
 
 
-def make_hf_llama(folder: Path, tokenizer_json: Path, model_cls=None, config_cls=None, save_kwargs=None, seed=0, **overrides):
-    """A tiny random transformers model saved with save_pretrained, plus a tokenizer. Returns the model."""
+def make_hf_llama(folder: Path, tokenizer_json: Path, model_cls=None, config_cls=None, save_kwargs=None, seed=0,
+                  norm_noise=0.0, **overrides):  # fmt: skip
+    """A tiny random transformers model saved with save_pretrained, plus a tokenizer. Returns the model.
+    norm_noise: spread of random noise added to the norms' weights (and biases), which start as constants that
+    hide a misplaced or misordered norm weight."""
     import json
     import shutil
 
@@ -81,7 +84,10 @@ def make_hf_llama(folder: Path, tokenizer_json: Path, model_cls=None, config_cls
     # Default init (std 0.02) gives near-uniform logits and degenerate greedy text; wider weights don't.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" not in name:
+            if "norm" in name or "ln_" in name:
+                if norm_noise:  # drawn only when asked for: other models keep their random weights
+                    p.add_(torch.randn_like(p) * norm_noise)
+            else:
                 p.normal_(0, 0.15)
     model.save_pretrained(folder, **(save_kwargs or {}))
     shutil.copy(tokenizer_json, folder / "tokenizer.json")

@@ -213,6 +213,8 @@ CASES = [
     ("convert_hf", edit_json("hf/config.json", model_type="bert"), [], "model_type"),
     ("convert_hf", edit_json("hf/config.json", num_attention_heads=0), [], "config.json"),
     ("convert_hf", edit_json("hf/config.json", rope_parameters={"rope_type": "yarn", "factor": 4.0}), [], "yarn"),
+    ("convert_hf", edit_json("hf/config.json", rope_parameters={"rope_type": "dynamic", "factor": 2.0}), [], "dynamic"),
+    ("convert_hf", edit_json("hf/config.json", hidden_act="relu"), [], "relu"),
     ("convert_hf", truncate("hf/model.safetensors", 1000), [], "model.safetensors"),
     ("convert_hf", write("hf/model.safetensors", RANDOM), [], "model.safetensors"),
     ("convert_hf", index_with_missing_shard, [], "absent.safetensors"),

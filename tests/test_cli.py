@@ -73,3 +73,31 @@ def test_interactive_conversation_from_a_pipe(tiny_checkpoint):
     first = reply("first message")
     second = reply("first message\n" + first + "\nsecond message")
     assert result.stdout == first + "\n" + second + "\n" + reply("third message") + "\n"
+
+
+def test_gpt2_continues_piped_text_and_converses(tmp_path, tiny_tokenizer_json):
+    """As the seed's GPT-2 command-line tool: a prompt piped to stdin is continued (no chat template: plain text),
+    and --interactive reads prompts until EOF."""
+    from conftest import make_hf_llama
+    from convert_hf_checkpoint import convert_hf_checkpoint
+    from test_families import FAMILIES
+
+    model_cls, config_cls, overrides = FAMILIES["gpt2"]
+    make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, **overrides)
+    convert_hf_checkpoint(tmp_path / "hf", tmp_path / "gpt2")
+    model, tokenizer = gen.load_model(tmp_path / "gpt2"), load_tokenizer(tmp_path / "gpt2")
+    assert model.config.position_embedding == "learned" and tokenizer.chat_template is None
+
+    def continuation(text, n):
+        return gen.generate(model, tokenizer.encode(text), n, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids).texts[0]
+
+    args = ("--checkpoint_path", str(tmp_path / "gpt2"), "--max_new_tokens", "10", "--temperature", "0")
+    piped = run_cli(*args, stdin="The quick brown fox\n")
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == "The quick brown fox" + continuation("The quick brown fox", 10) + "\n"
+    talk = run_cli(*args, "--interactive", stdin="The quick\ndef main():\n")
+    assert talk.returncode == 0, talk.stderr
+    first = continuation("The quick", 10)
+    assert talk.stdout == first + "\n" + continuation("The quick\n" + first + "\ndef main():", 10) + "\n"
+    bad = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], input=b"caf\xe9\n", capture_output=True)
+    assert bad.returncode != 0 and bad.stderr.decode().strip().splitlines() == ["error: stdin is not valid UTF-8 (byte 3)"]

@@ -139,3 +139,57 @@ def test_gguf_k_quant_layout(tmp_path, type_name, block_bytes, scale_offsets):
     assert t.shape == (rows, cols) and t.dtype == torch.float32
     expected = dequantize(raw, kind).reshape(rows, cols)
     assert np.array_equal(t.numpy(), expected) and np.isfinite(expected).all() and expected.std() > 0
+
+
+# ---------------------------------------------------------------- families' configs as the Hub has them
+
+# Older config.json files, without the layer_types and rope_parameters that transformers 5 writes: the converter
+# must read them as transformers does (its config classes are the reference here).
+BASE = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+            vocab_size=320, max_position_embeddings=256)  # fmt: skip
+HUB_CONFIGS = {
+    "gemma2": dict(BASE, model_type="gemma2", head_dim=32, sliding_window=8, rope_theta=10000.0),
+    "gemma3": dict(BASE, model_type="gemma3_text", head_dim=32, sliding_window=8, sliding_window_pattern=3,
+                   rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "qwen2_unused_window": dict(BASE, model_type="qwen2", use_sliding_window=False, sliding_window=4096),
+    "qwen2_window": dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    "mistral": dict(BASE, model_type="mistral", sliding_window=4096),
+    "phi3_su": dict(BASE, model_type="phi3", original_max_position_embeddings=64,
+                    rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", HUB_CONFIGS)
+def test_hub_configs_read_as_transformers_reads_them(name):
+    import math
+
+    from convert_hf_checkpoint import hf_config_to_args
+    from transformers import AutoConfig
+
+    raw = HUB_CONFIGS[name]
+    if name == "phi3_su":  # transformers 5.23 reads the length only inside rope_scaling; Phi-3's files have it outside
+        reference = AutoConfig.for_model(**dict(raw, rope_scaling=dict(raw["rope_scaling"], original_max_position_embeddings=64)))
+    else:
+        reference = AutoConfig.for_model(**raw)
+    args = hf_config_to_args(raw)
+    assert args.sliding_window == reference.sliding_window
+    if reference.sliding_window is not None:  # Mistral's config has no layer_types: all its layers slide
+        assert args.layer_types == list(getattr(reference, "layer_types", None) or ["sliding_attention"] * 6)
+    else:
+        assert set(args.layer_types) == {"full_attention"}
+    rope = reference.rope_parameters
+    if name == "gemma3":
+        assert args.rope_local_base == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    assert args.rope_base == rope["rope_theta"]
+    assert (args.rope_scaling or {}).get("rope_type", "default") == rope["rope_type"]
+    if name == "phi3_su":  # the paper's attention factor for a 4x longer context
+        assert math.isclose(args.rope_scaling["attention_factor"], math.sqrt(1 + math.log(256 / 64) / math.log(64)))
+
+
+def test_unknown_family_is_refused_in_one_line(tmp_path):
+    from convert_hf_checkpoint import SUPPORTED_MODEL_TYPES, hf_config_to_args
+
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'; supported: llama, ") as error:
+        hf_config_to_args(dict(BASE, model_type="bert"))
+    assert "\n" not in str(error.value) and all(t in str(error.value) for t in SUPPORTED_MODEL_TYPES)

@@ -101,6 +101,15 @@ def test_config_validation(tmp_path):
         "unknown fields ['hidden_size']": {**base, "hidden_size": 64},
         "n_layer must be a positive integer": {**base, "n_layer": 0},
         "unsupported rope_scaling": {**base, "rope_scaling": {"rope_type": "yarn"}},
+        "norm_type must be one of rmsnorm, gemma_rmsnorm, layernorm": {**base, "norm_type": "batchnorm"},
+        "hidden_act must be one of silu, gelu_tanh": {**base, "hidden_act": "relu"},
+        "layer_types must list 2": {**base, "layer_types": ["full_attention"]},
+        "sliding_window is not set": {**base, "layer_types": ["full_attention", "sliding_attention"]},
+        "n_experts_per_token must be in 1..2": {**base, "n_experts": 2, "n_experts_per_token": 3},
+        "short_factor must be a list of 8": {**base, "rope_scaling": {
+            "rope_type": "longrope", "original_max_position_embeddings": 64, "attention_factor": 1.1,
+            "short_factor": [1.0] * 7, "long_factor": [2.0] * 8}},
+        "attn_logit_softcap must be a positive finite number": {**base, "attn_logit_softcap": 0},
     }
     for message, config in cases.items():
         path.write_text(json.dumps(config))

@@ -87,6 +87,30 @@ def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, name, compile
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("family, name", [("qwen3", "model.pth"), ("mixtral", "model.pth"), ("mixtral", "model_int8.pth")])
+def test_sharded_family_equals_one_process(tmp_path, tiny_tokenizer_json, family, name):
+    """A GQA family with per-head q/k norms, and a mixture of experts (each expert split over the ranks)."""
+    from convert_hf_checkpoint import convert_hf_checkpoint
+    from test_families import FAMILIES
+
+    model_cls, config_cls, overrides = FAMILIES[family]
+    make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
+    convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
+    if name != "model.pth":
+        quantize_checkpoint(tmp_path / "ours" / "model.pth", "int8")
+    expected = tp_worker.logits_and_tokens(tmp_path / "ours" / name)
+    result = torchrun(2, ROOT / "tests" / "tp_worker.py", str(tmp_path / "ours" / name), str(tmp_path / "result.pt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = torch.load(tmp_path / "result.pt", weights_only=True)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False  # padding queries: their outputs are never used
+    assert (got["logits"] - expected["logits"])[valid].abs().max() < TINY_MARGIN
+    model = load_model(tmp_path / "ours" / name, kernels=tp_worker.EXACT)
+    for prompt, row_got, row_expected in zip(tp_worker.PROMPTS, got["tokens"], expected["tokens"], strict=True):
+        assert_same_greedy(model, prompt, row_got, row_expected, TINY_MARGIN)
+
+
+@pytest.mark.numerics
 def test_cli_batch_under_tp(tp_checkpoint):
     args = ("--checkpoint_path", str(tp_checkpoint), "--prompt", "The quick brown", "--prompt", "def main():",
             "--max_new_tokens", "24")  # fmt: skip

@@ -1,0 +1,197 @@
+"""Every model family against transformers: a tiny random model of each, with the family's distinctive features
+switched on, converted from its save_pretrained folder (logits, the KV cache, greedy generation, padded batches,
+quantization)."""
+import pytest
+import torch
+import transformers as tf
+from conftest import TINY_VOCAB, assert_same_greedy, make_hf_llama
+from convert_hf_checkpoint import convert_hf_checkpoint
+
+from generate import generate, load_model
+from model import Kernels
+from quantize import quantize_model
+
+pytestmark = pytest.mark.numerics
+
+# Float32 logits of ours and of transformers differ by rounding alone (the largest seen: below 2e-5, on AVX2
+# and AVX-512 machines); every fault this must catch (a missing norm offset, a soft-cap, a window one slot off, a
+# rotary base or factor, an expert's weight, a transposed Conv1D) moves some logit by more than 1e-2.
+TOLERANCE = 1e-4
+LENGTHS = (40, 80)  # both past every sliding window below; 80 also past Phi-3's original context (long factors)
+HEAD_DIM_16 = 8  # rotary pairs of a 16-wide head
+
+
+def longrope(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    short, long = 1 + torch.rand(HEAD_DIM_16, generator=g), 2 + 6 * torch.rand(HEAD_DIM_16, generator=g)
+    return {"rope_type": "longrope", "short_factor": short.tolist(), "long_factor": long.tolist(), "rope_theta": 10000.0}
+
+
+# (model class, config class, overrides of make_hf_llama's tiny Llama settings)
+FAMILIES = {
+    "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=None,
+                                                             tie_word_embeddings=True)),
+    "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig, dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)),
+    "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config, dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=8.0, final_logit_softcapping=4.0, tie_word_embeddings=False)),
+    "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(
+        hidden_size=32, seed=2, num_hidden_layers=3, sliding_window_pattern=3, sliding_window=8, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=32, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+    "qwen2_sliding": (tf.Qwen2ForCausalLM, tf.Qwen2Config, dict(
+        num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(num_key_value_heads=2, sliding_window=8)),
+    "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config, dict(
+        num_key_value_heads=2, sliding_window=16, original_max_position_embeddings=64, rope_parameters=longrope(0),
+        pad_token_id=0)),
+    "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, tiny_tokenizer_json):
+    """(name, transformers model, our model converted from its folder)."""
+    model_cls, config_cls, overrides = FAMILIES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_llama(folder / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
+    convert_hf_checkpoint(folder / "hf", folder / "ours")
+    return request.param, hf, load_model(folder / "ours")
+
+
+def test_logits_and_kv_cache_match_transformers(family):
+    name, hf, model = family
+    for length in LENGTHS:
+        x = torch.randint(0, TINY_VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            reference = hf(x).logits
+            model.setup_caches(2, length)
+            full = model(x, torch.arange(length))
+            assert (full - reference).abs().max() < TOLERANCE, (name, length)
+            # Token by token through the KV cache gives the logits of the full-sequence forward.
+            model.setup_caches(2, length)
+            stepwise = torch.cat([model(x[:, i : i + 1], torch.tensor([i])) for i in range(length)], dim=1)
+            assert (stepwise - full).abs().max() < TOLERANCE, (name, length)
+
+
+def test_greedy_generation_matches_transformers(family):
+    name, hf, model = family
+    prompt = torch.randint(0, TINY_VOCAB, (8,), generator=torch.Generator().manual_seed(1))
+    model.setup_caches(1, 40)  # within Phi-3's original context, where transformers uses the short factors
+    ours = generate(model, prompt, 32).tokens[0]
+    theirs = hf.generate(prompt[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert_same_greedy(model, prompt.tolist(), ours, theirs[0, 8:].tolist(), TOLERANCE)
+    assert len(set(ours)) >= 4, "degenerate output makes the comparison weak"
+
+
+def test_padded_batch_rows_equal_each_prompt_alone(family):
+    name, hf, model = family
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=g).tolist() for n in (13, 3, 7)]
+    batch = generate(model, prompts, 24).tokens
+    for prompt, row in zip(prompts, batch):
+        assert_same_greedy(model, prompt, row, generate(model, prompt, 24).tokens[0], TOLERANCE)
+
+
+def dequantized_copy(model, kind: str, groupsize: int):
+    """A float model whose linear layers hold the weights quantization rounds them to (the output projection
+    in int8, as quantize.py does), computed with float32 arithmetic: what a quantized model must compute."""
+    import copy
+
+    from quantize import dequantize_int4, int4_group_params, quantize_int4_values, quantize_int8, quantized_linears
+
+    reference = copy.deepcopy(model)
+    if reference.output is None:  # the quantized output projection has weights of its own
+        reference.output = torch.nn.Linear(model.config.dim, model.config.vocab_size, bias=False)
+        reference.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.clone())
+    with torch.no_grad():
+        for name, linear in quantized_linears(reference):
+            w = linear.weight
+            if kind == "int8" or name == "output":
+                q, scales = quantize_int8(w)
+                w.copy_(q.float() * scales[:, None])
+            else:
+                scales, zeros = int4_group_params(w, groupsize)
+                w.copy_(dequantize_int4(quantize_int4_values(w, scales, zeros, groupsize), scales, zeros, groupsize))
+    return reference
+
+
+# float32 activations for ATen's int8/int4 kernels (they take bfloat16 by default), so that what is compared is
+# the quantized weights and their layout, not bfloat16 rounding.
+EXACT = Kernels(gemm_dtype=torch.float32, kernel_activations=torch.float32)
+# Relative error of the logits, ||quantized - float|| / ||float||, over 80 positions, as measured on these tiny
+# random models (whose logits are far more sensitive than a trained model's): int8 0.017-0.029 (Mixtral 0.086: a
+# perturbed router picks other experts for some tokens), int4 with groups of 32: 0.19-0.37 (Mixtral 0.44). A
+# layer left in float or rounded to the wrong weights is caught by the dequantized reference instead, exactly.
+QUANTIZED_BOUNDS = {"int8": 0.15, "int4": 0.6}
+
+
+@pytest.mark.parametrize("kind", QUANTIZED_BOUNDS)
+def test_quantized_computes_its_rounded_weights_and_stays_close_to_float(family, kind):
+    name, _, model = family
+    quantized = quantize_model(model, kind, 32, EXACT)
+    linears = [m for m in quantized.modules() if isinstance(m, torch.nn.Linear)]
+    assert not linears, f"{name}: linear layers left in float: {linears}"
+    reference = dequantized_copy(model, kind, 32)
+    x = torch.randint(0, TINY_VOCAB, (1, 80), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = {}
+        for label, m in (("float", model), ("quantized", quantized), ("reference", reference)):
+            m.setup_caches(1, 80)
+            logits[label] = m(x, torch.arange(80))
+    assert (logits["quantized"] - logits["reference"]).abs().max() < TOLERANCE, name
+    error = ((logits["quantized"] - logits["float"]).norm() / logits["float"].norm()).item()
+    assert 0 < error < QUANTIZED_BOUNDS[kind], (name, error)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma3", "mixtral"])
+def test_compiled_decode_has_no_graph_break(tmp_path, tiny_tokenizer_json, name):
+    """Learned positions, sliding and global layers with their own rotary bases, and experts: one graph."""
+    import torch._dynamo
+
+    from generate import compile_steps
+
+    model_cls, config_cls, overrides = FAMILIES[name]
+    make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
+    convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
+    model = load_model(tmp_path / "ours")
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]  # left padding, and a sequence past the sliding window of 8
+    eager = generate(model, prompts, 24).tokens
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate(model, prompts, 24, steps=compile_steps(torch.device("cpu"))).tokens
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for prompt, got, expected in zip(prompts, compiled, eager):
+        assert_same_greedy(model, prompt, got, expected, TOLERANCE)
+
+
+def test_speculative_decoding_with_a_quantized_draft(family):
+    """Greedy speculation gives the target's own greedy tokens, whatever the draft (here: its int8 copy)."""
+    name, _, model = family
+    prompt = torch.randint(0, TINY_VOCAB, (6,), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = generate(model, prompt, 24).tokens[0]
+    draft = quantize_model(model, "int8", kernels=EXACT)
+    speculative = generate(model, prompt, 24, draft_model=draft, speculate_k=4)
+    assert_same_greedy(model, prompt, speculative.tokens[0], plain, TOLERANCE)
+    assert speculative.speculation["acceptance_rate"] > 0  # the draft's proposals were checked and taken, not bypassed
+
+
+def test_gemma3_multimodal_folder_converts_to_its_language_model(tmp_path, tiny_tokenizer_json):
+    """A gemma3 folder (language model and vision tower): the converter keeps the language model, whose
+    logits on text are the multimodal model's."""
+    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=64, vocab_size=TINY_VOCAB, sliding_window=8, max_position_embeddings=128)  # fmt: skip
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28, patch_size=14)
+    hf = make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, tf.Gemma3ForConditionalGeneration, tf.Gemma3Config,
+                       norm_noise=0.1, text_config=text, vision_config=vision, mm_tokens_per_image=4)  # fmt: skip
+    config = convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
+    assert config.qk_norm and config.post_norms and config.sliding_window == 8
+    model = load_model(tmp_path / "ours")
+    x = torch.randint(0, TINY_VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    model.setup_caches(1, 24)
+    with torch.no_grad():
+        assert (model(x, torch.arange(24)) - hf(input_ids=x).logits).abs().max() < TOLERANCE
