@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from model import Linear, ModelArgs, Transformer
+from model import Linear, ModelArgs, MoEFeedForward, Transformer
 from quantize import Int4Linear, Int8Linear
 
 # A rank waits this long for the others in a collective before giving up: a dead or hung peer ends the job
@@ -204,7 +204,7 @@ def apply_tp(model: Transformer, shard: Shard):
         attn.register_forward_hook(all_reduce_output)
         # Mixture of experts: each expert is split like a dense MLP (not whole experts to ranks), so every rank
         # does an equal share of every token's work whatever the routing; the router is replicated.
-        for mlp in getattr(ff, "experts", [ff]):
+        for mlp in ff.experts if isinstance(ff, MoEFeedForward) else [ff]:
             for linear in (mlp.w1, mlp.w3) if mlp.w3 is not None else (mlp.w1,):
                 keep_outputs(linear, [units])
             keep_inputs(mlp.w2, units, keep_bias=first)

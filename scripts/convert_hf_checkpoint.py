@@ -55,8 +55,6 @@ def hf_config_to_args(hf: dict) -> ModelArgs:
         raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
     if hf.get("use_bidirectional_attention"):
         raise ValueError("bidirectional attention (an embedding model) is not supported")
-    if model_type == "phi3" and (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     n_head = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or DEFAULT_HEAD_DIMS.get(model_type) or hf["hidden_size"] // n_head
     rope_base, rope_scaling, rope_local_base = hf_rope(hf, model_type, head_dim)
@@ -123,6 +121,8 @@ def hf_rope(hf: dict, model_type: str, head_dim: int) -> tuple[float, dict | Non
         local_base = local["rope_theta"]
         rope = rope.get("full_attention", rope)
     rope = dict(rope)
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     default_base = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
     rope_base = rope.pop("rope_theta", hf.get("rope_theta", default_base))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -203,7 +203,7 @@ def read_weight_file(path: Path) -> dict:
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-# Hugging Face names inside a block -> ours (a name that is not here is refused, see hf_layer_tensors).
+# Hugging Face names inside a block -> ours, for those renamed as they are (see convert_hf_state_dict).
 LAYER_RENAMES = {
     "self_attn.o_proj": "attention.wo",
     "self_attn.q_norm": "attention.q_norm",
@@ -212,7 +212,7 @@ LAYER_RENAMES = {
     "mlp.up_proj": "feed_forward.w3",
     "mlp.down_proj": "feed_forward.w2",
     "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",  # Gemma 2/3: post_attention_norm (see hf_layer_tensors)
+    "post_attention_layernorm": "ffn_norm",  # Gemma 2/3: post_attention_norm (see convert_hf_state_dict)
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffn_norm",
     "block_sparse_moe.gate": "feed_forward.router",
@@ -225,6 +225,8 @@ LAYER_RENAMES = {
     "mlp.c_proj": "feed_forward.w2",
 }
 GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+# Projections that make up our fused wqkv, and which of q, k, v each holds (Phi-3 stores all three fused).
+QKV_PROJECTIONS = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.qkv_proj": "qkv"}
 TOP_RENAMES = {
     "model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output",
     "wte": "tok_embeddings", "wpe": "pos_embeddings", "ln_f": "norm",
@@ -233,7 +235,7 @@ TOP_RENAMES = {
 
 def hf_name_parts(name: str) -> tuple[str | None, str]:
     """(layer index or None, name within the layer or the model) with the model's prefixes removed;
-    ("", "") for tensors that are not weights of the language model."""
+    (None, "") for tensors that are not weights of the language model."""
     for prefix in ("model.language_model.", "language_model.model.", "language_model."):  # Gemma 3 multimodal
         if name.startswith(prefix):
             name = ("model." if prefix != "language_model." else "") + name[len(prefix) :]
@@ -267,11 +269,10 @@ def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -
         prefix = f"layers.{index}."
         if module in GPT2_CONV1D and kind == "weight":
             t = t.T.contiguous()
-        if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.qkv_proj"):
+        if module in QKV_PROJECTIONS:
             group = pending_qkv.setdefault((index, kind), {})
-            parts = t.split([q_size, kv_size, kv_size]) if module == "self_attn.qkv_proj" else [t]  # Phi-3: fused
-            names = ("q", "k", "v") if module == "self_attn.qkv_proj" else (module[-6],)
-            group.update(zip(names, parts))
+            parts = t.split([q_size, kv_size, kv_size]) if module == "self_attn.qkv_proj" else [t]
+            group.update(zip(QKV_PROJECTIONS[module], parts))
             if len(group) == 3:
                 q, k, v = group["q"], group["k"], group["v"]
                 if rotary:
