@@ -147,15 +147,20 @@ def save_atomic(obj, path: Path):
     """torch.save into a temporary file beside path, renamed to path once complete."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a checkpoint is an ordinary file
+    set_ordinary_mode(tmp, 0o666)
     try:
         save_tensors(obj, tmp, shown_as=path)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def set_ordinary_mode(path, mode: int):
+    """mkstemp and mkdtemp make private files and folders; a checkpoint is an ordinary one (mode less the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
 
 
 def save_tensors(obj, path, shown_as=None):

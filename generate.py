@@ -479,12 +479,16 @@ def load_models(args, device: torch.device, shard) -> tuple[Transformer, Tokeniz
     draft = None
     if args.draft_checkpoint_path is not None:
         draft = load_model(args.draft_checkpoint_path, device, dtype, shard, kernels)
-        draft_tokenizer = load_tokenizer(resolve_checkpoint(args.draft_checkpoint_path).parent)
-        probe = "Tokenizer check: ünïcödé, 12345, emoji 🙂."
-        if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.eos_ids != tokenizer.eos_ids:
-            raise ValueError(f"the draft {args.draft_checkpoint_path} does not use the target's tokenizer")
+        check_draft_tokenizer(tokenizer, args.draft_checkpoint_path)
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return model, tokenizer, draft
+
+
+def check_draft_tokenizer(tokenizer: Tokenizer, draft_checkpoint_path: Path):
+    draft_tokenizer = load_tokenizer(resolve_checkpoint(draft_checkpoint_path).parent)
+    probe = "Tokenizer check: ünïcödé, 12345, emoji 🙂."
+    if draft_tokenizer.encode(probe) != tokenizer.encode(probe) or draft_tokenizer.eos_ids != tokenizer.eos_ids:
+        raise ValueError(f"the draft {draft_checkpoint_path} does not use the target's tokenizer")
 
 
 def run(args, device: torch.device, shard=None):

@@ -340,7 +340,9 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
 # ---------------------------------------------------------------- writing a quantized checkpoint
 
 
-def quantized_state_dict(model, mode: str, groupsize: int | None, gptq_results: dict | None = None) -> dict:
+def quantized_state_dict(model, mode: str, groupsize: int | None, int4_groups: dict | None = None) -> dict:
+    """The checkpoint's tensors; int4 layers take their (codes, scales, zeros) from int4_groups when given (GPTQ's, or
+    a GGUF file's 4-bit blocks), else round to nearest."""
     state = dict(model.state_dict())
     linears = dict(quantized_linears(model))
     if model.output is None:
@@ -353,8 +355,8 @@ def quantized_state_dict(model, mode: str, groupsize: int | None, gptq_results: 
             q, scales = quantize_int8(w)
             state[f"{name}.weight"], state[f"{name}.scales"] = q, scales
             continue
-        if gptq_results is not None:
-            codes, scales, zeros = gptq_results[name]
+        if int4_groups is not None:
+            codes, scales, zeros = int4_groups[name]
         else:
             scales, zeros = int4_group_params(w, groupsize)
             codes = quantize_int4_values(w, scales, zeros, groupsize)

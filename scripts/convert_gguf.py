@@ -1,9 +1,13 @@
-"""Convert a GGUF file (llama architecture) into a checkpoint folder of ours.
+"""Convert a GGUF file (llama, qwen2 or gemma3 architecture) into a checkpoint folder of ours.
 
-    python scripts/convert_gguf.py --gguf FILE.gguf --out_dir checkpoints/NAME [--dtype float32]
+    python scripts/convert_gguf.py --gguf FILE.gguf --out_dir checkpoints/NAME [--dtype float32] [--int4]
 
-Quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ... anything the `gguf` package reads) are
-dequantized; the tokenizer is rebuilt from the file's metadata by transformers' GGUF support.
+model.pth holds the weights dequantized (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K, ... anything the `gguf` package
+reads). --int4 also writes model_int4-gguf.g32.pth, our int4 format with groups of 32: Q4_0, Q4_1 and Q4_K tensors
+(blocks or sub-blocks of 32 values, a scale and an offset each) go into it as they are, with no rounding;
+the other types, which the 4-bit grid cannot hold, are rounded to it from their dequantized values; the
+output projection is int8 as in every int4 checkpoint. The tokenizer (and chat template) is rebuilt from
+the file's metadata by transformers' GGUF support.
 """
 import argparse
 import sys
@@ -11,20 +15,46 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import DTYPES, HelpFormatter, user_errors  # noqa: E402
-from convert_hf_checkpoint import write_checkpoint  # noqa: E402
-from model import ModelArgs  # noqa: E402
+from checkpoint import DTYPES, HelpFormatter, save_atomic, user_errors  # noqa: E402
+from convert_hf_checkpoint import hf_config_to_args, permute_rotary, write_checkpoint  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+from quantize import int4_group_params, quantization_format, quantize_int4_values, quantized_state_dict  # noqa: E402
 
+# GGUF architecture -> the Hugging Face model_type whose config rules apply (transformers' GGUF loader does the same).
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
+# Metadata keys (after "ARCH.") -> Hugging Face config fields; the first four are required.
+CONFIG_KEYS = {
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "context_length": "max_position_embeddings",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+}
 GGUF_LAYER_NAMES = {
     "attn_norm.weight": "attention_norm.weight",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
     "attn_output.weight": "attention.wo.weight",
+    "attn_output.bias": "attention.wo.bias",
+    "post_attention_norm.weight": "post_attention_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
 }
+# Types whose (sub-)blocks of 32 are affine groups of 4-bit codes, our int4 g32 grid: bytes per block.
+INT4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+INT4_GROUPSIZE = 32
+INT4_FILE = f"model_int4-gguf.g{INT4_GROUPSIZE}.pth"  # beside quantize.py's model_int4.g32.pth (rounded from float)
 
 
 def open_gguf(path: Path):
@@ -50,35 +80,43 @@ def float32_value(x) -> float:
     return float(str(np.float32(x)))
 
 
-def gguf_config_to_args(reader) -> ModelArgs:
+def gguf_config_to_hf(reader) -> dict:
+    """The Hugging Face config.json that the file's metadata describes; what GGUF leaves out takes the defaults
+    of the family's transformers config, as llama.cpp and transformers' GGUF loader assume them (Gemma 3:
+    every sixth layer global, local RoPE base 10000)."""
     arch = metadata(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})")
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names or metadata(reader, "llama.rope.scaling.type", "none") != "none":
-        raise ValueError("GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead")
     if "token_embd.weight" not in names:
         raise ValueError("no token_embd.weight tensor (a vocabulary-only GGUF file?)")
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    args = ModelArgs(
-        dim=metadata(reader, "llama.embedding_length", required=True),
-        n_layer=metadata(reader, "llama.block_count", required=True),
-        n_head=metadata(reader, "llama.attention.head_count", required=True),
-        n_kv_heads=metadata(reader, "llama.attention.head_count_kv"),  # None: as many as n_head
-        head_dim=metadata(reader, "llama.attention.key_length"),  # None: dim // n_head
-        intermediate_size=metadata(reader, "llama.feed_forward_length", required=True),
-        vocab_size=int(embedding.shape[-1]),  # ggml lists dimensions innermost first
-        block_size=metadata(reader, "llama.context_length", 2048),
-        rope_base=float32_value(metadata(reader, "llama.rope.freq_base", 10000.0)),
-        norm_eps=float32_value(metadata(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings="output.weight" not in names,
-    )
-    if metadata(reader, "llama.rope.dimension_count", args.head_dim) != args.head_dim:
+    hf = {"model_type": ARCHITECTURES[arch], "vocab_size": int(embedding.shape[-1]),  # ggml lists dims innermost first
+          "tie_word_embeddings": "output.weight" not in names, "attention_bias": "blk.0.attn_q.bias" in names}  # fmt: skip
+    for i, (key, field) in enumerate(CONFIG_KEYS.items()):
+        value = metadata(reader, f"{arch}.{key}", required=i < 4)
+        if value is not None:
+            hf[field] = float32_value(value) if isinstance(value, float) else value
+    rope_type = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if arch == "gemma3" and rope_type == "linear":  # Gemma 3 4B and larger: their global layers' positions scaled
+        factor = metadata(reader, f"{arch}.rope.scaling.factor", required=True)
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float32_value(factor)}
+    elif "rope_freqs.weight" in names or rope_type != "none":
+        raise ValueError("GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead")
+    if arch == "gemma3" and hf["num_hidden_layers"] == 62:
+        # GGUF has no query_pre_attn_scalar; llama.cpp knows Gemma 3 27B (62 layers) by its size: dim / heads, not head_dim.
+        hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if metadata(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
-    return args
+    return hf
 
 
-def gguf_tensor(tensor) -> torch.Tensor:
+def gguf_config_to_args(reader) -> ModelArgs:
+    return hf_config_to_args(gguf_config_to_hf(reader))
+
+
+def gguf_tensor(tensor) -> Tensor:
     """Dequantizes one GGUF tensor to a float32 torch tensor in PyTorch's [out, in] order."""
     from gguf.quants import dequantize
 
@@ -90,11 +128,56 @@ def gguf_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a copy: the reader maps the file read-only
 
 
-def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype) -> dict:
-    # llama.cpp stores q/k rows already in the interleaved rotary order we use: no permutation.
-    out, qkv = {}, {}
+def gguf_int4_groups(tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """A Q4_0, Q4_1 or Q4_K [N, K] weight in our int4 g32 terms, value = (code - 8) * scale + zero: codes
+    [N, K] (0..15) and scales and zeros [N, K / 32], with no rounding of the codes (the scales and zeros are
+    float32 products of the file's float16 numbers). None for other types."""
+    kind = tensor.tensor_type.name
+    if kind not in INT4_BLOCK_BYTES:
+        return None
+    n = int(tensor.shape[1])
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(n, -1, INT4_BLOCK_BYTES[kind])
+
+    def f16(offset: int) -> Tensor:  # the float16 number at a byte offset of every block: [N, blocks, 1]
+        return raw[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+    if kind == "Q4_K":  # 256 values: d, dmin, 8 six-bit (scale, min) pairs in 12 bytes, 128 bytes of codes
+        packed = raw[..., 4:16].int()
+        low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        sub_scales = torch.cat([low & 63, (extra & 15) | (low >> 6) << 4], dim=-1)
+        sub_mins = torch.cat([high & 63, (extra >> 4) | (high >> 6) << 4], dim=-1)
+        qs = raw[..., 16:].reshape(n, -1, 4, 1, 32)  # 32 bytes hold sub-block 2j (low nibbles) and 2j + 1 (high)
+        codes = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1, 32)
+        scales, offsets = f16(0) * sub_scales, -f16(2) * sub_mins  # value = scale * code + offset
+    else:  # 32 values: d (Q4_1: and m), 16 bytes holding values i (low nibble) and i + 16 (high)
+        qs = raw[..., 4:] if kind == "Q4_1" else raw[..., 2:]
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1)
+        scales = f16(0)
+        offsets = f16(2) if kind == "Q4_1" else -8 * scales
+    scales, offsets = scales.reshape(n, -1), offsets.reshape(n, -1)
+    return codes.reshape(n, -1), scales, offsets + 8 * scales
+
+
+def rounded_int4_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    scales, zeros = int4_group_params(w, INT4_GROUPSIZE)
+    return quantize_int4_values(w, scales, zeros, INT4_GROUPSIZE), scales, zeros
+
+
+def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype, int4: bool = False) -> tuple[dict, dict]:
+    """Our state dict, and with int4 the (codes, scales, zeros) of every linear layer of the blocks."""
+    # llama.cpp stores llama's q/k rows in the interleaved rotary order we use; other architectures (NEOX rotary)
+    # keep Hugging Face's rotate-half order, permuted here as convert_hf_checkpoint does.
+    rotate_half = metadata(reader, "general.architecture") != "llama"
+    gemma = args.norm_type == "gemma_rmsnorm"
+    out, int4_groups, qkv = {}, {}, {}
     for tensor in reader.tensors:
-        name, t = tensor.name, gguf_tensor(tensor).to(dtype)
+        name, t = tensor.name, gguf_tensor(tensor)
+        groups = None
+        if int4 and t.ndim == 2 and name.startswith("blk."):
+            groups = gguf_int4_groups(tensor) or rounded_int4_groups(t)
+        if gemma and name.endswith("norm.weight"):
+            t = t - 1  # llama.cpp stores Gemma's norm weights with the 1 added; ours are offsets from 1
+        t = t.to(dtype)
         if name == "token_embd.weight":
             out["tok_embeddings.weight"] = t
         elif name == "output_norm.weight":
@@ -104,10 +187,19 @@ def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype) -> dict
         elif name.startswith("blk."):
             _, i, rest = name.split(".", 2)
             if rest in GGUF_LAYER_NAMES:
-                out[f"layers.{i}.{GGUF_LAYER_NAMES[rest]}"] = t
+                if rotate_half and rest in ("attn_q_norm.weight", "attn_k_norm.weight"):
+                    t = permute_rotary(t, 1)  # one weight per head dimension, reordered as the q/k rows are
+                ours = f"layers.{i}.{GGUF_LAYER_NAMES[rest]}"
+                out[ours] = t
+                if groups is not None:
+                    int4_groups[ours.removesuffix(".weight")] = groups
             elif rest.split(".")[0] in ("attn_q", "attn_k", "attn_v"):
                 proj, kind = rest.split(".")
-                qkv.setdefault((i, kind), {})[proj] = t
+                heads = {"attn_q": args.n_head, "attn_k": args.n_kv_heads}.get(proj)
+                if rotate_half and heads:
+                    t = permute_rotary(t, heads)
+                    groups = None if groups is None else tuple(permute_rotary(g, heads) for g in groups)
+                qkv.setdefault((i, kind), {})[proj] = (t, groups)
             else:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
         else:
@@ -115,8 +207,23 @@ def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype) -> dict
     for (i, kind), group in qkv.items():
         if len(group) != 3:
             raise ValueError(f"layer {i}: incomplete q/k/v {kind} tensors in GGUF file")
-        out[f"layers.{i}.attention.wqkv.{kind}"] = torch.cat([group["attn_q"], group["attn_k"], group["attn_v"]])
-    return out
+        parts = [group[p] for p in ("attn_q", "attn_k", "attn_v")]
+        out[f"layers.{i}.attention.wqkv.{kind}"] = torch.cat([t for t, _ in parts])
+        if kind == "weight" and int4:
+            int4_groups[f"layers.{i}.attention.wqkv"] = tuple(torch.cat(g) for g in zip(*(groups for _, groups in parts)))
+    return out, int4_groups
+
+
+def int4_checkpoint(state_dict: dict, args: ModelArgs, int4_groups: dict) -> dict:
+    """Our int4 g32 checkpoint of the converted model, its block layers' codes taken from int4_groups."""
+    for name, (codes, _, _) in int4_groups.items():
+        if codes.shape[0] % 16:  # the int4 kernels' tile height
+            raise ValueError(f"--int4 needs a multiple of 16 outputs; {name} has {codes.shape[0]}: quantize.py --mode int8")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict(state_dict, assign=True)
+    fmt = quantization_format("int4", INT4_GROUPSIZE, "gguf")
+    return {"quantization": fmt, "state_dict": quantized_state_dict(model, "int4", INT4_GROUPSIZE, int4_groups)}
 
 
 def save_gguf_tokenizer(gguf_path: Path, folder: Path):
@@ -130,14 +237,21 @@ def save_gguf_tokenizer(gguf_path: Path, folder: Path):
     tokenizer.save_pretrained(str(folder))
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> ModelArgs:
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32, int4: bool = False) -> ModelArgs:
     reader = open_gguf(gguf_path)
     try:
         args = gguf_config_to_args(reader)
-        state_dict = convert_gguf_state_dict(reader, args, dtype)
-    except ValueError as e:
+        state_dict, int4_groups = convert_gguf_state_dict(reader, args, dtype, int4)
+        quantized = int4_checkpoint(state_dict, args, int4_groups) if int4 else None
+    except (KeyError, ValueError) as e:
         raise ValueError(f"{gguf_path}: {e}") from None
-    write_checkpoint(Path(out_dir), state_dict, args, lambda folder: save_gguf_tokenizer(gguf_path, folder))
+
+    def fill_folder(folder: Path):
+        save_gguf_tokenizer(gguf_path, folder)
+        if quantized is not None:
+            save_atomic(quantized, folder / INT4_FILE)
+
+    write_checkpoint(Path(out_dir), state_dict, args, fill_folder)
     return args
 
 
@@ -146,9 +260,10 @@ def main(argv=None):
     parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the dequantized weights")
+    parser.add_argument("--int4", action="store_true", help=f"also write {INT4_FILE}, 4-bit blocks kept as they are")
     opts = parser.parse_args(argv)
     with user_errors():
-        args = convert_gguf(opts.gguf, opts.out_dir, DTYPES[opts.dtype])
+        args = convert_gguf(opts.gguf, opts.out_dir, DTYPES[opts.dtype], opts.int4)
     print(f"wrote {opts.out_dir} ({args.n_layer} layers, dim {args.dim}, vocab {args.vocab_size})")
 
 

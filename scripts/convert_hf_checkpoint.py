@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import DTYPES, HelpFormatter, check_tensors, load_tensor_file, save_tensors, user_errors  # noqa: E402
+from checkpoint import DTYPES, HelpFormatter, check_tensors, load_tensor_file, save_tensors, set_ordinary_mode, user_errors  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import load_tokenizer, read_json  # noqa: E402
 
@@ -319,6 +319,7 @@ def write_checkpoint(out_dir: Path, state_dict: dict, args: ModelArgs, fill_toke
     out_dir = out_dir.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    set_ordinary_mode(tmp, 0o777)
     try:
         save_tensors(state_dict, tmp / "model.pth", shown_as=out_dir / "model.pth")
         (tmp / "config.json").write_text(args.to_json() + "\n")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Runs the test suite in .venv (created on first use), after preparing the default model.
+# Runs the test suite in .venv (created on first use), after preparing the default model and Gemma 3 270M.
 #   bash scripts/test.sh            # everything
 #   bash scripts/test.sh -k sampling # extra arguments go to pytest
 source "$(dirname "$0")/setup_env.sh"
 bash scripts/prepare.sh
+bash scripts/prepare.sh --model gemma3-270m
 # A persistent inductor cache makes the compiled tests fast after their first run.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 status=0

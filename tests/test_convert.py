@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_hf_llama, write_gguf
-from convert_gguf import convert_gguf_state_dict, gguf_config_to_args, open_gguf
+import transformers
+from convert_gguf import convert_gguf_state_dict, gguf_config_to_args, gguf_int4_groups, open_gguf
 from convert_hf_checkpoint import convert_hf_checkpoint
 
 from generate import load_model
 from model import Transformer
+from quantize import dequantize_int4
 
 
 def logits_of(model, x):
@@ -102,7 +104,7 @@ def test_gguf_tensor_types(tmp_path, tiny_checkpoint, type_name):
     reader = open_gguf(tmp_path / "m.gguf")
     config = gguf_config_to_args(reader)
     assert config == model.config
-    converted = convert_gguf_state_dict(reader, config, torch.float32)
+    converted, _ = convert_gguf_state_dict(reader, config, torch.float32)
     assert converted.keys() == state.keys()
     for name, t in state.items():
         error = (converted[name] - t).norm() / t.norm()
@@ -139,6 +141,100 @@ def test_gguf_k_quant_layout(tmp_path, type_name, block_bytes, scale_offsets):
     assert t.shape == (rows, cols) and t.dtype == torch.float32
     expected = dequantize(raw, kind).reshape(rows, cols)
     assert np.array_equal(t.numpy(), expected) and np.isfinite(expected).all() and expected.std() > 0
+    if type_name == "Q4_K":  # the same values in our int4 g32 format, up to float32 rounding of scale and zero
+        codes, scales, zeros = gguf_int4_groups(tensor)
+        assert (dequantize_int4(codes, scales, zeros, 32) - t).abs().max() <= 1e-6 * t.abs().max()
+    else:
+        assert gguf_int4_groups(tensor) is None  # 6-bit codes: no 4-bit grid holds them
+
+
+# How llama.cpp's converter names a block's tensors (Hugging Face name -> GGUF name).
+GGUF_BLOCK_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+
+def write_hf_as_gguf(path, hf, arch: str, tensor_type):
+    """A transformers model as llama.cpp writes qwen2 and gemma3 files: q/k rows in Hugging Face's rotate-half
+    order (no permutation), Gemma's norm weights with 1 added, block weights in tensor_type."""
+    import gguf
+    from gguf.quants import quantize
+
+    c, gemma = hf.config, arch == "gemma3"
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+                       "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+                       "attention.key_length": head_dim, "attention.value_length": head_dim}.items():  # fmt: skip
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
+    if gemma:
+        w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+        w.add_string(f"{arch}.rope.scaling.type", rope["rope_type"])
+        w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, t in hf.state_dict().items():
+        module, kind = name.rsplit(".", 1)
+        if module.startswith("model.layers."):
+            _, _, i, rest = module.split(".", 3)
+            ggml = "post_attention_norm" if rest == "post_attention_layernorm" and gemma else GGUF_BLOCK_NAMES.get(rest, "ffn_norm")
+            module = f"blk.{i}.{ggml}"
+        elif name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        else:
+            module = top[module]
+        x = (t + 1 if gemma and name.endswith("norm.weight") else t).float().numpy()
+        if x.ndim == 2 and module.startswith("blk."):
+            w.add_tensor(f"{module}.{kind}", quantize(x, tensor_type), raw_dtype=tensor_type)
+        else:
+            w.add_tensor(f"{module}.{kind}", x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+GGUF_FAMILIES = {  # six layers: the Gemma 3 pattern GGUF files imply (five sliding, one global)
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(num_key_value_heads=2)),
+    "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=6, sliding_window=8, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        tie_word_embeddings=True, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+}  # fmt: skip
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_gguf_families_match_transformers(tmp_path, tiny_tokenizer_json, arch):
+    """A tiny Qwen2 (q/k/v biases) or Gemma 3 (norm offsets, q/k norms, windows, two RoPE bases) written as llama.cpp
+    writes them: float32 logits as transformers' (rounding alone, below 2e-5; a fault moves them by 1e-2 or more).
+    Written in Q4_0, the int4 conversion holds the file's blocks exactly, rows permuted with their groups."""
+    import gguf
+
+    model_cls, config_cls, overrides = GGUF_FAMILIES[arch]
+    hf = make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
+    write_hf_as_gguf(tmp_path / "m.gguf", hf, arch, gguf.GGMLQuantizationType.F32)
+    reader = open_gguf(tmp_path / "m.gguf")
+    config = gguf_config_to_args(reader)
+    state, _ = convert_gguf_state_dict(reader, config, torch.float32)
+    with torch.device("meta"):
+        ours = Transformer(config)
+    ours.load_state_dict(state, assign=True)
+    x = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))  # past the 8-token window
+    with torch.no_grad():
+        assert (logits_of(ours, x) - hf(x).logits).abs().max() < 1e-4
+
+    write_hf_as_gguf(tmp_path / "q.gguf", hf, arch, gguf.GGMLQuantizationType.Q4_0)
+    state, groups = convert_gguf_state_dict(open_gguf(tmp_path / "q.gguf"), config, torch.float32, int4=True)
+    assert len(groups) == 5 * config.n_layer  # wqkv, wo, w1, w2, w3 of every block
+    for name, (codes, scales, zeros) in groups.items():
+        w = state[f"{name}.weight"]
+        assert (dequantize_int4(codes, scales, zeros, 32) - w).abs().max() <= 1e-6 * w.abs().max(), name
 
 
 # ---------------------------------------------------------------- families' configs as the Hub has them

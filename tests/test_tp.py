@@ -21,8 +21,9 @@ from tokenizer import load_tokenizer
 # prints every thread's Python stack (see tp.end_rank).
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 # Sharded and whole float32 logits differ by rounding (partial sums added in another order): ~1e-6 for the tiny
-# model, ~1e-5 for SmolLM2; a wrong split (a head, a bias, a slice of the vocabulary) moves them by more than 1e-1.
-TINY_MARGIN, SMOLLM2_MARGIN = 1e-4, 1e-3
+# model, ~1e-5 for SmolLM2 (the real models); a wrong split (a head, a bias, a slice of the vocabulary) moves them
+# by more than 1e-1.
+TINY_MARGIN, REAL_MARGIN = 1e-4, 1e-3
 
 
 def torchrun_command(nproc: int, script, *args) -> list[str]:
@@ -205,4 +206,17 @@ def test_smollm2_on_three_ranks():
     # 9 heads and 3 KV heads: 3 q heads and 1 KV head a rank; the 49152-token vocabulary splits in 3.
     args = ("--checkpoint_path", str(SMOLLM2_DIR), "--prompt", "The capital of France is", "--max_new_tokens", "24")
     expected = generate_tokens(1, *args)
-    assert_same_greedy_texts(SMOLLM2_DIR, ["The capital of France is"], generate_tokens(3, *args), expected, SMOLLM2_MARGIN)
+    assert_same_greedy_texts(SMOLLM2_DIR, ["The capital of France is"], generate_tokens(3, *args), expected, REAL_MARGIN)
+
+
+QWEN_05B = ROOT / "checkpoints" / "Qwen2.5-Coder-0.5B-Instruct"
+
+
+@pytest.mark.numerics
+@pytest.mark.skipif(not (QWEN_05B / "model.pth").is_file(), reason="run scripts/prepare.sh --model qwen2.5-coder-0.5b")
+def test_qwen2_5_coder_on_two_ranks():
+    # 14 heads and 2 KV heads: 7 q heads and 1 KV head a rank, q/k/v biases split with them; a batch of two prompts.
+    prompts = ["def quicksort(arr):", "The capital of France is"]
+    args = ("--checkpoint_path", str(QWEN_05B), "--prompt", prompts[0], "--prompt", prompts[1], "--max_new_tokens", "24")
+    expected = generate_tokens(1, *args)
+    assert_same_greedy_texts(QWEN_05B, prompts, generate_tokens(2, *args), expected, REAL_MARGIN)
