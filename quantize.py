@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import HelpFormatter, load_checkpoint, resolve_checkpoint, save_atomic, user_errors
-from model import Kernels, ModelArgs, Transformer, linear, set_kernels
+from model import Kernels, ModelArgs, Transformer, fuses, linear, set_kernels
 from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1
@@ -87,7 +87,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         fused = self.kernels.quant_matvec == "fused"
-        if x.is_cuda or fused and x.numel() == self.in_features:  # see model.linear
+        if x.is_cuda or fused and fuses(x):  # see model.linear
             return linear(x, self.weight, self.bias, self.scales, fused=fused)
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] >= GEMM_ROWS:
