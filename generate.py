@@ -30,12 +30,12 @@ from checkpoint import (
 )  # fmt: skip
 from model import Kernels, Transformer, ensure_caches, set_kernels
 from quantize import load_checkpoint_model, prepare_quantized
-from results import Generation, Speculation, check_stop, collect, find_stop, summarize, synchronize
+from results import Generation, Speculation, TextPieces, check_stop, collect, find_stop, summarize, synchronize
 from sampling import (
-    SamplerState, SamplingParams, accept_drafts, check_logprobs, check_seed, record_token, refill_noise, sample,
-    sampler_state, step_probs,
+    SETTINGS, SamplerState, SamplingParams, accept_drafts, check_logprobs, check_seed, record_token, refill_noise,
+    sample, sampler_state, step_probs,
 )  # fmt: skip
-from tokenizer import IncrementalDecoder, Tokenizer, load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer
 
 CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
 CHAT_CACHE_LENGTH = 2048  # KV cache positions of an interactive conversation (capped by block_size)
@@ -44,25 +44,36 @@ CHAT_CACHE_LENGTH = 2048  # KV cache positions of an interactive conversation (c
 # ---------------------------------------------------------------- the model steps
 
 
-def prefill(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None):
-    # x: [B, S] prompts in cache slots input_pos [S] -> first new token [B, 1] (and its log-probs)
-    return sample(model(x, input_pos, left_pad, last_only=True)[:, -1], s, greedy, n_logprobs)
+def prefill(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None,
+            first_row: int = 0, kv_length: int | None = None):  # fmt: skip
+    # x: [B, S] prompts in cache slots input_pos [S] of cache rows first_row.. -> first new token [B, 1] (and its log-probs)
+    logits = model(x, input_pos, left_pad, last_only=True, first_row=first_row, kv_length=kv_length)
+    return sample(logits[:, -1], s, greedy, n_logprobs)
 
 
-def decode_one_token(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None):
-    # x: [B, 1] in slot input_pos [1] -> next token [B, 1] (and its log-probs)
-    return sample(model(x, input_pos, left_pad)[:, -1], s, greedy, n_logprobs)
+def decode_one_token(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: SamplerState, greedy: bool,
+                     n_logprobs: int | None, window: Tensor | None = None):  # fmt: skip
+    # x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and its log-probs). window: a
+    # tensor whose length is the model's kv_length (None: the whole cache); marked dynamic (torch._dynamo.
+    # mark_dynamic), one compiled graph serves every length, which a plain int argument would not.
+    kv_length = None if window is None else window.shape[0]
+    return sample(model(x, input_pos, left_pad, kv_length=kv_length)[:, -1], s, greedy, n_logprobs)
 
 
-def draft_step(draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool):
-    # x: [1, 1] -> drafted token [1, 1] and the distribution p it was drawn from [1, V]
-    probs = step_probs(draft(x, input_pos)[:, -1], s, greedy)
+def draft_step(draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None):
+    # x: [B, S] in slots input_pos ([S], or [B, S] per row) -> a token drafted after the last [B, 1] and the
+    # distribution p it was drawn from [B, V]. window: as decode_one_token's.
+    kv_length = None if window is None else window.shape[0]
+    probs = step_probs(draft(x, input_pos, last_only=True, kv_length=kv_length)[:, -1], s, greedy)
     return torch.argmax(probs / s.noise, dim=-1, keepdim=True), probs
 
 
-def verify_step(model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool) -> Tensor:
-    # x: [1, k + 1], the current token and k drafted ones -> the target's distributions q after each [k + 1, V]
-    return step_probs(model(x, input_pos)[0], s, greedy)
+def verify_step(model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None) -> Tensor:
+    # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
+    # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
+    kv_length = None if window is None else window.shape[0]
+    per_position = s._replace(**{k: getattr(s, k)[..., None] for k in SETTINGS if getattr(s, k).dim()})
+    return step_probs(model(x, input_pos, kv_length=kv_length), per_position, greedy)
 
 
 class Steps(NamedTuple):
@@ -173,10 +184,10 @@ def speculative_generate(
             probs.append(p.clone())
         drafted = torch.cat(drafted, dim=1)  # [1, k]
         q = steps.verify(model, torch.cat([cur, drafted], dim=1), torch.arange(pos, pos + k + 1, device=device), s_target, params.greedy)
-        uniforms = torch.rand(k, device=device, generator=generator)
-        noise = torch.empty(q.shape[-1], device=device).exponential_(generator=generator)
-        kept, next_token = accept_drafts(drafted[0], torch.cat(probs), q, uniforms, noise)
-        host = torch.cat([kept.view(1), next_token.view(1), drafted[0]]).tolist()  # the round's one sync
+        uniforms = torch.rand(1, k, device=device, generator=generator)
+        noise = torch.empty(1, q.shape[-1], device=device).exponential_(generator=generator)
+        kept, next_token = accept_drafts(drafted, torch.stack(probs, dim=1), q, uniforms, noise)
+        host = torch.cat([kept, next_token, drafted[0]]).tolist()  # the round's one sync
         n = host[0]
         if n == k:  # the draft never fed its last token: do it, so its cache is complete
             steps.draft(draft, drafted[:, -1:], torch.tensor([pos + k], device=device), s_draft, params.greedy)
@@ -267,28 +278,22 @@ class Stream:
 
     @torch.no_grad()
     def __iter__(self):
-        hold = max((len(s) for s in self.stop), default=1) - 1
-        decoder, pending, raw, logprobs = IncrementalDecoder(self.tokenizer), "", [], []
+        pieces, raw, logprobs = TextPieces(self.tokenizer, self.stop), [], []
         start = time.perf_counter()
         for token, lp in self.produced:
             raw.append(int(token[0, 0]))  # waits for the device
             if len(raw) == 1:
                 ttft = time.perf_counter() - start
             logprobs.append(lp)
-            if raw[-1] in self.tokenizer.eos_ids:
+            piece = pieces.push(raw[-1])
+            if piece:
+                yield piece
+            if pieces.finished:
                 break
-            pending += decoder.push(raw[-1])
-            cut = find_stop(pending, self.stop)
-            if cut >= 0:
-                pending = pending[:cut]
-                break
-            if len(pending) > hold:
-                yield pending[: len(pending) - hold]
-                pending = pending[len(pending) - hold :]
         else:
-            pending += decoder.flush()
-        if pending:
-            yield pending
+            piece = pieces.end()
+            if piece:
+                yield piece
         synchronize(self.model.tok_embeddings.weight.device)
         decode_time = time.perf_counter() - start - ttft
         self.result = collect([raw], logprobs, [self.ids], self.tokenizer.eos_ids, self.stop, self.tokenizer, ttft, decode_time)
@@ -299,6 +304,14 @@ class Stream:
             if on_piece is not None:
                 on_piece(piece)
         return self.result
+
+
+def encode_conversation(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """Messages ({"role", "content"}) -> the prompt of the reply: by the chat template, or without one, the
+    messages' contents joined by newlines (a base model continues the conversation's text)."""
+    if tokenizer.chat_template:
+        return tokenizer.encode_chat(messages)
+    return tokenizer.encode("\n".join(m["content"] for m in messages))
 
 
 class Chat:
@@ -324,9 +337,7 @@ class Chat:
         self.messages, self.cached, self.dropped_turns, self.last_prefill = [], [], 0, 0
 
     def render(self, messages) -> list[int]:
-        if self.tokenizer.chat_template:
-            return self.tokenizer.encode_chat(self.system + messages)
-        return self.tokenizer.encode("\n".join(m["content"] for m in self.system + messages))
+        return encode_conversation(self.tokenizer, self.system + messages)
 
     def send(self, text: str, on_piece: Callable[[str], None] | None = None) -> Generation:
         """Generates the reply, passing its text pieces to on_piece as they come. A message that cannot fit

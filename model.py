@@ -240,12 +240,18 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # k, v: [B, H_kv, S, D] written at positions input_pos [S]; returns the whole cache
-        batch = k.shape[0]
-        self.k_cache[:batch, :, input_pos] = k
-        self.v_cache[:batch, :, input_pos] = v
-        return self.k_cache[:batch], self.v_cache[:batch]
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, first_row: int = 0) -> tuple[Tensor, Tensor]:
+        # k, v: [B, H_kv, S, D] written into cache rows first_row.. at positions input_pos, [S] for every row or
+        # [B, S] per row (a server's slots, each at its own length); returns those rows' whole caches
+        rows = slice(first_row, first_row + k.shape[0])
+        if input_pos.dim() == 1:
+            self.k_cache[rows, :, input_pos] = k
+            self.v_cache[rows, :, input_pos] = v
+        else:
+            row_index = torch.arange(rows.start, rows.stop, device=k.device)[:, None]  # [B, 1] beside input_pos [B, S]
+            self.k_cache[row_index, :, input_pos] = k.transpose(1, 2)
+            self.v_cache[row_index, :, input_pos] = v.transpose(1, 2)
+        return self.k_cache[rows], self.v_cache[rows]
 
 
 class Transformer(nn.Module):
@@ -293,19 +299,27 @@ class Transformer(nn.Module):
                 local = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_local_base, None)
                 self.register_buffer("local_freqs_cis", local.to(device), persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, left_pad: Tensor | None = None, last_only: bool = False) -> Tensor:
-        # idx: [B, S] token ids in cache slots input_pos [S]; returns logits [B, S, vocab] in float32.
-        # left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens start at position 0.
+    def forward(self, idx: Tensor, input_pos: Tensor, left_pad: Tensor | None = None, last_only: bool = False,
+                first_row: int = 0, kv_length: int | None = None) -> Tensor:  # fmt: skip
+        # idx: [B, S] token ids in cache slots input_pos, [S] for every row or [B, S] per row; returns logits
+        # [B, S, vocab] in float32. left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens
+        # start at position 0. first_row: the rows use cache rows first_row.. (a server prefills one request
+        # into its own row while the others keep theirs).
         # last_only: logits [B, 1, vocab] of the last position alone, which is all a prefill samples from
         # (the output projection over every prompt position was 14% of a 128-token float32 prefill here).
+        # kv_length: attend to the first kv_length cache slots only (None: all), which must hold every position
+        # the queries see: a server's rows reach far less than its cache's length, and reading the rest of the
+        # cache each step cost more than the weights at 16 rows of 2048 slots.
         assert self.max_seq_length > 0, "call setup_caches() first"
         bsz = idx.shape[0]
-        if bsz > self.max_batch_size:
-            raise ValueError(f"batch of {bsz} rows is larger than the cache, set up for {self.max_batch_size}")
-        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz)
+        if first_row + bsz > self.max_batch_size:
+            raise ValueError(f"batch of {bsz} rows from cache row {first_row} is larger than the cache, set up for {self.max_batch_size}")
+        if kv_length is not None:  # tells the compiler too, so that slicing the cache to it keeps it symbolic
+            torch._check(kv_length <= self.max_seq_length)
+        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, kv_length)
         x = self.embed(idx, positions)
         for layer in self.layers:
-            x = layer(x, input_pos, *inputs[layer.attention.kind])
+            x = layer(x, input_pos, *inputs[layer.attention.kind], first_row)
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             logits = linear(x, self.tok_embeddings.weight, fused=self.kernels.float_matvec == "fused")
@@ -322,22 +336,23 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.dim**0.5, dtype=x.dtype)
         return x
 
-    def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int) -> tuple[Tensor, dict]:
+    def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int,
+                         kv_length: int | None = None) -> tuple[Tensor, dict]:  # fmt: skip
         """Each row's positions [B, S] (0 at its first real token), and for each kind of layer its rotary
-        angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention mask [B, 1, S, max_seq]."""
+        angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention mask [B, 1, S, kv_length]."""
         if left_pad is None:
             left_pad = torch.zeros(bsz, dtype=torch.long, device=input_pos.device)
-        slots = torch.arange(self.max_seq_length, device=input_pos.device)
+        slots = torch.arange(self.max_seq_length if kv_length is None else kv_length, device=input_pos.device)
         # A query in slot p sees slots pad..p of its row (a sliding layer: the last sliding_window of them);
         # later slots hold stale or zero entries. A padding query sees only itself, so that no softmax row is
         # empty (its output is never used).
-        causal = input_pos[:, None] >= slots  # [S, max_seq]
+        causal = input_pos[..., None] >= slots  # [S, max_seq] or [B, S, max_seq]
         not_padding = slots >= left_pad[:, None]  # [B, max_seq]
-        itself = input_pos[:, None] == slots
+        itself = input_pos[..., None] == slots
         positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
         inputs = {}
         for kind in set(self.config.layer_types):
-            seen = causal if kind == "full_attention" else causal & (input_pos[:, None] - slots < self.config.sliding_window)
+            seen = causal if kind == "full_attention" else causal & (input_pos[..., None] - slots < self.config.sliding_window)
             mask = (seen & not_padding[:, None, :]) | itself  # [B, S, max_seq]
             freqs = None
             if self.config.position_embedding == "rope":
@@ -357,8 +372,8 @@ class TransformerBlock(nn.Module):
         post_norm = functools.partial(make_norm, config, config.dim) if config.post_norms else nn.Identity
         self.post_attention_norm, self.post_ffn_norm = post_norm(), post_norm()
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor) -> Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, freqs_cis, mask))
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0) -> Tensor:
+        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, freqs_cis, mask, first_row))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -377,7 +392,7 @@ class Attention(nn.Module):
         self.logit_softcap = config.attn_logit_softcap
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -387,7 +402,8 @@ class Attention(nn.Module):
         if freqs_cis is not None:
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
-        k, v = self.kv_cache.update(input_pos, k, v)  # [B, H_kv, max_seq, D]
+        k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, max_seq, D]
+        k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the slots the mask covers (kv_length)
         # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel costs ~0.1 ms a call); so does
         # soft-capping, which SDPA cannot do.
         if seqlen == 1 or self.logit_softcap is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model import Transformer, model_size_bytes
-from tokenizer import Tokenizer
+from tokenizer import IncrementalDecoder, Tokenizer
 
 
 @dataclass
@@ -62,6 +62,40 @@ def find_stop(text: str, stop: list[str]) -> int:
     """Index of the earliest stop string in text, or -1."""
     hits = [i for i in (text.find(s) for s in stop) if i >= 0]
     return min(hits) if hits else -1
+
+
+class TextPieces:
+    """One row's text while its tokens come: push() returns the next piece to show. The pieces join to exactly
+    the final text: held back are an incomplete character and any tail that could begin a stop string.
+    finished becomes "eos" or "stop" when a token ends the text; end() gives the rest when tokens run out."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.decoder, self.eos, self.stop = IncrementalDecoder(tokenizer), set(tokenizer.eos_ids), stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.pending, self.finished = "", None
+
+    def push(self, token: int) -> str:
+        if token in self.eos:
+            self.finished = "eos"
+            return self.end()
+        self.pending += self.decoder.push(token)
+        return self.release(final=False)
+
+    def end(self) -> str:
+        """The rest of the text, an incomplete character included (as the tokenizer decodes it)."""
+        self.pending += self.decoder.flush()
+        return self.release(final=True)
+
+    def release(self, final: bool) -> str:
+        cut = find_stop(self.pending, self.stop)
+        if cut >= 0:
+            self.pending, self.finished = self.pending[:cut], "stop"
+            return self.take(cut)
+        return self.take(len(self.pending) if final else max(len(self.pending) - self.hold, 0))
+
+    def take(self, n: int) -> str:
+        piece, self.pending = self.pending[:n], self.pending[n:]
+        return piece
 
 
 def finish_row(raw: list[int], eos_ids, stop: list[str], tokenizer: Tokenizer | None):

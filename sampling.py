@@ -78,14 +78,32 @@ class SamplerState(NamedTuple):
     noise: Tensor
 
 
+SETTINGS = tuple(k for k in SamplerState._fields if k not in ("seen", "counts", "noise"))
+
+
 def sampler_state(params: SamplingParams, rows: list[list[int]], vocab_size: int, device) -> SamplerState:
-    names = [k for k in SamplerState._fields if k not in ("seen", "counts", "noise")]  # the settings
-    knobs = {k: torch.tensor(float(getattr(params, k)), dtype=torch.float32, device=device) for k in names}
+    knobs = {k: torch.tensor(float(getattr(params, k)), dtype=torch.float32, device=device) for k in SETTINGS}
     seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
     for b, row in enumerate(rows):
         seen[b, torch.tensor(row, dtype=torch.long, device=device)] = True
     counts = torch.zeros(len(rows), vocab_size, device=device)
     return SamplerState(**knobs, seen=seen, counts=counts, noise=torch.ones_like(counts))
+
+
+def row_sampler_state(batch_size: int, vocab_size: int, device) -> SamplerState:
+    """A state whose settings are per row [B, 1], for rows that are independent requests (set_row fills one)."""
+    knobs = {k: torch.zeros(batch_size, 1, device=device) for k in SETTINGS}
+    counts = torch.zeros(batch_size, vocab_size, device=device)
+    return SamplerState(**knobs, seen=counts.bool(), counts=counts, noise=torch.ones_like(counts))
+
+
+def set_row(state: SamplerState, row: int, params: SamplingParams, seen: list[int]):
+    """Row row of a row_sampler_state starts a request: its settings, the tokens seen (its prompt), no output yet."""
+    for k in SETTINGS:
+        getattr(state, k)[row] = float(getattr(params, k))
+    state.seen[row] = False
+    state.seen[row, torch.tensor(seen, dtype=torch.long, device=state.seen.device)] = True
+    state.counts[row] = 0
 
 
 def record_token(state: SamplerState, token: Tensor):
@@ -126,11 +144,11 @@ def logits_to_probs(logits: Tensor, temperature, top_k, top_p, min_p) -> Tensor:
 def sample(logits: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None):
     """[B, V] logits -> next token [B, 1], and (chosen log-prob [B, 1], top values [B, n], top ids [B, n]) or None."""
     processed = apply_penalties(logits, s)
-    if greedy:
-        token = torch.argmax(processed, dim=-1, keepdim=True)
-    else:
-        probs = logits_to_probs(processed, s.temperature, s.top_k, s.top_p, s.min_p)
-        token = torch.argmax(probs / s.noise, dim=-1, keepdim=True)
+    token = torch.argmax(processed, dim=-1, keepdim=True)
+    if not greedy:  # rows at temperature 0 among sampled ones (a server's batch of requests) keep the argmax
+        hot = s.temperature > 0
+        probs = logits_to_probs(processed, torch.where(hot, s.temperature, 1.0), s.top_k, s.top_p, s.min_p)
+        token = torch.where(hot, torch.argmax(probs / s.noise, dim=-1, keepdim=True), token)
     if n_logprobs is None:
         return token, None
     logprobs = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
@@ -142,10 +160,14 @@ def sample(logits: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None
 
 
 def step_probs(logits: Tensor, s: SamplerState, greedy: bool) -> Tensor:
-    """[..., V] logits -> the distribution a token is drawn from (one-hot at the argmax when greedy)."""
+    """[..., V] logits -> the distribution a token is drawn from (one-hot at the argmax when greedy, and for
+    rows at temperature 0 among sampled ones). Settings of [B, 1] go with logits of [B, V]."""
+    one_hot = F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     if greedy:
-        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return logits_to_probs(logits, s.temperature, s.top_k, s.top_p, s.min_p)
+        return one_hot
+    hot = s.temperature > 0
+    probs = logits_to_probs(logits, torch.where(hot, s.temperature, 1.0), s.top_k, s.top_p, s.min_p)
+    return torch.where(hot, probs, one_hot)
 
 
 def residual_probs(q: Tensor, p: Tensor) -> Tensor:
@@ -157,15 +179,17 @@ def residual_probs(q: Tensor, p: Tensor) -> Tensor:
 
 
 def accept_drafts(drafted: Tensor, p: Tensor, q: Tensor, uniforms: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
-    """Leviathan et al.'s rule: drafted [k] tokens drawn from p [k, V], target distributions q [k + 1, V].
+    """Leviathan et al.'s rule, for each of B rows: drafted [B, k] tokens drawn from p [B, k, V], the target's
+    distributions q [B, k + 1, V].
 
-    Token i is kept with probability min(1, q_i(x_i) / p_i(x_i)) (uniforms [k]); at the first rejection
-    the next token comes from the residual; if all are kept, a bonus token comes from q_k. Returns the
-    number kept and the next token, as device tensors."""
-    k = drafted.shape[0]
-    rows = torch.arange(k, device=drafted.device)
-    ratio = q[rows, drafted] / p[rows, drafted]  # p > 0 at the drafted tokens: they were drawn from it
-    kept = torch.cumprod((uniforms < ratio).int(), dim=0).sum()
+    Token i is kept with probability min(1, q_i(x_i) / p_i(x_i)) (uniforms [B, k]); at the first rejection
+    the next token comes from the residual (noise [B, V]: Exp(1) draws); if all are kept, a bonus token
+    comes from q_k. Returns the number kept [B] and the next token [B], as device tensors."""
+    k = drafted.shape[1]
+    chosen = drafted[..., None]
+    ratio = (q[:, :k].gather(-1, chosen) / p.gather(-1, chosen))[..., 0]  # p > 0 at the drafted tokens: drawn from it
+    kept = torch.cumprod((uniforms < ratio).int(), dim=-1).sum(-1)
     # Past the last draft p is zero, so the "residual" there is q_k itself: the bonus token.
-    p = torch.cat([p, torch.zeros_like(p[:1])])
-    return kept, torch.argmax(residual_probs(q[kept], p[kept]) / noise, dim=-1)
+    p = torch.cat([p, torch.zeros_like(p[:, :1])], dim=1)
+    rows = torch.arange(drafted.shape[0], device=drafted.device)
+    return kept, torch.argmax(residual_probs(q[rows, kept], p[rows, kept]) / noise, dim=-1)

@@ -5,6 +5,12 @@
 source "$(dirname "$0")/setup_env.sh"
 bash scripts/prepare.sh
 bash scripts/prepare.sh --model gemma3-270m
+# The chat page test drives Debian's headless chromium; as root with apt (CI), install it when it is missing.
+if ! command -v chromedriver >/dev/null && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+  echo "== installing chromium and chromium-driver (for the chat page test)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+fi
 # A persistent inductor cache makes the compiled tests fast after their first run.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 status=0

@@ -20,6 +20,14 @@ SAMPLE_TEXT = (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def fresh_dynamo():
+    """Dynamo keeps each function's compiled graphs for the whole process, up to recompile_limit, past which a
+    fullgraph step fails: each test module starts without the graphs of the modules before it (they come back
+    from the inductor cache in seconds when needed again)."""
+    torch._dynamo.reset()
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "numerics: compares numerically different paths; scripts/test.sh runs these twice on AVX-512 CPUs"

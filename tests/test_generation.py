@@ -4,6 +4,7 @@ import torch
 from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
 
 from generate import Chat, Stream, generate, load_model
+from results import TextPieces
 from sampling import SamplingParams
 from tokenizer import IncrementalDecoder, load_tokenizer
 
@@ -116,6 +117,18 @@ def test_incremental_decoding_of_split_characters(tiny):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_text_pieces_end_at_eos_inside_a_character(tiny):
+    """An EOS (or the last token) that cuts a character in half: the pieces shown still join to the decoded text."""
+    _, tokenizer = tiny
+    ids = tokenizer.encode("日本語", bos=False)[:-1]
+    expected = tokenizer.decode(ids)
+    assert expected.endswith("\ufffd"), "the cut should leave half a character"
+    for last in [tokenizer.eos_ids[0], None]:
+        pieces = TextPieces(tokenizer, stop=[])
+        shown = [pieces.push(t) for t in ids] + [pieces.push(last) if last is not None else pieces.end()]
+        assert "".join(shown) == expected and pieces.finished == ("eos" if last is not None else None)
+
+
 def test_stream_pieces_join_to_the_generation(tiny):
     model, tokenizer = tiny
     prompt = tokenizer.encode("日本語 🙂")
@@ -185,7 +198,7 @@ def test_bad_requests(tiny):
         with pytest.raises(ValueError, match=message):
             call()
     model.setup_caches(2, 32)
-    with pytest.raises(ValueError, match="batch of 3 rows is larger than the cache, set up for 2"):
+    with pytest.raises(ValueError, match="batch of 3 rows from cache row 0 is larger than the cache, set up for 2"):
         model(torch.ones(3, 4, dtype=torch.long), torch.arange(4))
 
 

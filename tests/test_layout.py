@@ -68,6 +68,7 @@ def test_import_graph_is_acyclic_and_flows_one_way():
     assert graph["model"] == set() and graph["tokenizer"] == set() and graph["sampling"] == set()
     for module in ("quantize", "tp", "checkpoint", "results", "convert_hf_checkpoint", "convert_gguf"):
         assert "generate" not in reachable(graph, module), f"{module} reaches generate.py"
+    assert not [name for name, deps in graph.items() if "server" in deps], "server.py is a leaf: nothing imports it"
 
 
 def test_the_cycle_finder_finds_cycles():

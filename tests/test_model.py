@@ -56,6 +56,10 @@ def test_matches_transformers(tmp_path, tiny_tokenizer_json, name):
         model.setup_caches(2, 64)
         stepwise = torch.cat([model(x[:, i : i + 1], torch.tensor([i])) for i in range(48)], dim=1)
         assert (stepwise - full).abs().max() < TOLERANCE
+        # So does each step attending to the fewest cache slots that hold what it sees (kv_length), as a server does.
+        model.setup_caches(2, 64)
+        windowed = torch.cat([model(x[:, i : i + 1], torch.tensor([i]), kv_length=i + 1) for i in range(48)], dim=1)
+        assert (windowed - full).abs().max() < TOLERANCE
         # A chunked prefill (16 + 32 positions) too.
         model.setup_caches(2, 64)
         chunks = torch.cat([model(x[:, :16], torch.arange(16)), model(x[:, 16:], torch.arange(16, 48))], dim=1)

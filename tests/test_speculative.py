@@ -11,7 +11,7 @@ from convert_hf_checkpoint import convert_hf_checkpoint
 import generate as gen
 import quantize as qz
 from model import Kernels, ModelArgs, Transformer
-from sampling import SamplingParams, accept_drafts
+from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_state, set_row
 
 
 @pytest.fixture(scope="module")
@@ -131,14 +131,52 @@ def test_acceptance_rule_yields_the_target_distribution():
     p, q = torch.softmax(torch.randn(2, 16, generator=generator) * 1.5, dim=-1)
     first = []
     for _ in range(4000):
-        drafted = torch.multinomial(p, 1, generator=generator)
-        uniforms, noise = torch.rand(1, generator=generator), torch.empty(16).exponential_(generator=generator)
-        kept, next_token = accept_drafts(drafted, p[None], torch.stack([q, q]), uniforms, noise)
+        drafted = torch.multinomial(p, 1, generator=generator)[None]
+        uniforms, noise = torch.rand(1, 1, generator=generator), torch.empty(1, 16).exponential_(generator=generator)
+        kept, next_token = accept_drafts(drafted, p[None, None], torch.stack([q, q])[None], uniforms, noise)
         first.append(int(drafted) if int(kept) else int(next_token))
     wrong = torch.minimum(p, q)
     wrong[q.argmax()] += 1 - wrong.sum()
     first = np.array(first)
     assert not chi_square_rejects(first, q.double().numpy()) and chi_square_rejects(first, wrong.double().numpy())
+
+
+def test_acceptance_rule_treats_each_row_alone():
+    """A batch of rows (a server's requests) gives each row what the rule gives it alone: rows of different
+    distributions, drafts that agree with their target and drafts that do not."""
+    generator = torch.Generator().manual_seed(0)
+    rows, k, vocab = 6, 3, 16
+    p = torch.softmax(torch.randn(rows, k, vocab, generator=generator) * 2, dim=-1)
+    q = torch.softmax(torch.randn(rows, k + 1, vocab, generator=generator) * 2, dim=-1)
+    q[:2, :k] = p[:2]  # rows whose drafts the target agrees with: all kept, and a bonus token
+    drafted = torch.multinomial(p.view(-1, vocab), 1, generator=generator).view(rows, k)
+    uniforms, noise = torch.rand(rows, k, generator=generator), torch.empty(rows, vocab).exponential_(generator=generator)
+    kept, next_token = accept_drafts(drafted, p, q, uniforms, noise)
+    alone = [accept_drafts(drafted[i : i + 1], p[i : i + 1], q[i : i + 1], uniforms[i : i + 1], noise[i : i + 1])
+             for i in range(rows)]  # fmt: skip
+    assert kept.tolist() == [int(a[0]) for a in alone] and next_token.tolist() == [int(a[1]) for a in alone]
+    assert kept[:2].tolist() == [k, k] and kept[2:].min() < k
+
+
+def test_verify_step_applies_each_rows_settings(pairs):
+    """A server verifies rows of different requests in one pass: each row's distributions are the ones its own
+    settings give it alone (temperature 0 among sampled rows: one-hot at the argmax)."""
+    target, _ = pairs
+    settings = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(), SamplingParams(temperature=1.3, top_p=0.8),
+                SamplingParams(temperature=1.0, min_p=0.2)]  # fmt: skip
+    x = torch.tensor([[5, 17, 42], [7, 99, 3], [11, 12, 13], [8, 8, 8]])
+    vocab = target.config.vocab_size
+    state = row_sampler_state(len(settings), vocab, "cpu")
+    for row, params in enumerate(settings):
+        set_row(state, row, params, [])
+    target.setup_caches(len(settings), 16)
+    together = gen.verify_step(target, x, torch.arange(3), state, greedy=False)
+    for row, params in enumerate(settings):
+        target.setup_caches(1, 16)
+        alone = gen.verify_step(target, x[row : row + 1], torch.arange(3), sampler_state(params, [[]], vocab, "cpu"),
+                                greedy=params.greedy)[0]  # fmt: skip
+        torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=0)
+    assert ((together[1] == 0) | (together[1] == 1)).all() and not ((together[0] == 0) | (together[0] == 1)).all()
 
 
 def test_bad_speculation_requests(pairs):

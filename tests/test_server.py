@@ -1,0 +1,461 @@
+"""server.py: the OpenAI API through the official client, continuous batching, disconnects, bad input, the chat page."""
+import json
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import ROOT, SMOLLM2_DIR, make_hf_llama
+from convert_hf_checkpoint import convert_hf_checkpoint
+
+from generate import Steps, Stream, compile_steps, encode_conversation, generate, load_model
+from server import Choice, Engine
+from sampling import SamplingParams
+from tokenizer import load_tokenizer
+
+KEY = "test-key"
+# A template of the ChatML kind: the tiny tokenizer has no chat template of its own.
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")  # fmt: skip
+PROMPTS = ["The quick brown", "def main():", "Naïve café", "日本語", "emoji 🙂", "1234", "return {'key'", "fox jumps",
+           "русский", "Ελληνικά", "lazy dog.", "numbers", "def", "x = 1", "The", "ab"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(checkpoint: Path, log_folder: Path, *flags: str):
+    port = free_port()
+    log = open(log_folder / f"server-{port}.log", "w+")
+    process = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(checkpoint),
+                                "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url, log
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, open(log.name).read()
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the server did not start: " + open(log.name).read())
+
+
+def stop_server(process, log):
+    process.terminate()
+    process.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny checkpoint with a chat template."""
+    folder = tmp_path_factory.mktemp("server") / "tiny-chat"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(chat_checkpoint):
+    process, url, log = start_server(chat_checkpoint / "model.pth", chat_checkpoint.parent, "--max_batch_size", "16",
+                                     "--api_key", KEY)  # fmt: skip
+    yield url, log
+    stop_server(process, log)
+
+
+@pytest.fixture(scope="module")
+def reference(chat_checkpoint):
+    model = load_model(chat_checkpoint / "model.pth")
+    return model, load_tokenizer(chat_checkpoint)
+
+
+@torch.no_grad()
+def greedy_reference(reference, ids: list[int], max_tokens: int) -> tuple[str, str]:
+    """generate()'s greedy text and finish reason, after checking that no step of it is a near-tie: the server
+    computes a row in a batch of up to 16 at its own position, whose float32 logits differ from a lone row's
+    (measured: up to 5e-6), so exact equality of greedy text is a fair demand where the top two logits are
+    further apart than 1e-4."""
+    model, tokenizer = reference
+    result = generate(model, ids, max_tokens, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids)
+    steps = ids + result.raw_tokens[0]
+    model.setup_caches(1, len(steps))
+    logits = model(torch.tensor([steps[:-1]]), torch.arange(len(steps) - 1))[0, len(ids) - 1 :]
+    top2 = logits.topk(2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4, "a near-tie in the reference: pick another prompt"
+    reason = {"eos": "stop"}.get(result.finish_reasons[0], result.finish_reasons[0])
+    return result.texts[0], reason
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def test_openai_client_chat_and_completions(server, reference, chat_checkpoint):
+    url, _ = server
+    api = client(url)
+    model_name = api.models.list().data[0].id
+    assert model_name == "tiny-chat"
+    _, tokenizer = reference
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown"}]
+    expected, reason = greedy_reference(reference, encode_conversation(tokenizer, messages), 24)
+    answer = api.chat.completions.create(model=model_name, messages=messages, max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content == expected and answer.choices[0].finish_reason == reason
+    assert answer.usage.prompt_tokens == len(encode_conversation(tokenizer, messages))
+    chunks = list(api.chat.completions.create(model=model_name, messages=messages, max_tokens=24, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
+    assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+    prompt = "def main():"
+    expected, reason = greedy_reference(reference, tokenizer.encode(prompt), 20)
+    text = api.completions.create(model=model_name, prompt=prompt, max_tokens=20, temperature=0)
+    assert text.choices[0].text == expected and text.choices[0].finish_reason == reason
+    streamed = api.completions.create(model=model_name, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+    # generate.py itself, greedy, the same prompt: the same text.
+    out = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(chat_checkpoint),
+                          "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "20", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)  # fmt: skip
+    assert json.loads(out.stdout.splitlines()[-1])["outputs"] == [expected]
+
+
+def test_sampling_fields(server, reference):
+    url, _ = server
+    api = client(url)
+    _, tokenizer = reference
+    # Stop strings: the text ends before the first one, the reason is "stop".
+    full = api.completions.create(model="tiny-chat", prompt="The quick brown", max_tokens=24, temperature=0).choices[0].text
+    cut = full[3:6]
+    stopped = api.completions.create(model="tiny-chat", prompt="The quick brown", max_tokens=24, temperature=0, stop=[cut, "\x00"])
+    assert stopped.choices[0].text == full[: full.index(cut)] and stopped.choices[0].finish_reason == "stop"
+    # A seed repeats a sample; n choices of one seeded request differ from each other.
+    sample = dict(model="tiny-chat", prompt="The", max_tokens=16, temperature=1.5, top_p=0.95, seed=7)
+    first = api.completions.create(**sample, n=3)
+    again = api.completions.create(**sample, n=3)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in first.choices}) > 1 and [c.index for c in first.choices] == [0, 1, 2]
+    # Log-probs: the chosen token's, and the top ones in order, from the model's distribution.
+    lp = api.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "1234"}], max_tokens=4,
+                                     temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content  # fmt: skip
+    assert len(lp) >= 1
+    for entry in lp:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob == pytest.approx(tops[0])
+    # Penalties change a greedy continuation that repeats itself.
+    plain = api.completions.create(model="tiny-chat", prompt="1234", max_tokens=24, temperature=0).choices[0].text
+    penalized = api.completions.create(model="tiny-chat", prompt="1234", max_tokens=24, temperature=0,
+                                       frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5}).choices[0].text  # fmt: skip
+    assert plain != penalized
+
+
+def test_next_chat_turn_reuses_the_slot_that_holds_its_conversation(server, reference):
+    """The second turn of a conversation goes to the slot holding the first (its prompt and the reply tokens
+    fed back), prefills only the rest (usage.prompt_tokens_details.cached_tokens), and answers as a fresh
+    prefill of the whole conversation would."""
+    url, _ = server
+    model, tokenizer = reference
+    api = client(url)
+    first = [{"role": "user", "content": "fox jumps"}]
+    reply = api.chat.completions.create(model="tiny-chat", messages=first, max_tokens=12, temperature=0)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "lazy dog."}]  # fmt: skip
+    ids1, ids2 = encode_conversation(tokenizer, first), encode_conversation(tokenizer, second)
+    # The slot holds the first prompt and every reply token but the last (never fed back).
+    held = ids1 + generate(model, ids1, 12, eos_ids=tokenizer.eos_ids).raw_tokens[0][: reply.usage.completion_tokens - 1]
+    reused = next(i for i in range(len(ids2)) if i == len(ids2) - 1 or i == len(held) or ids2[i] != held[i])
+    assert reused >= len(ids1), "the template should render the first turn's prompt alike in the second"
+    expected, reason = greedy_reference(reference, ids2, 12)
+    answer = api.chat.completions.create(model="tiny-chat", messages=second, max_tokens=12, temperature=0)
+    assert answer.usage.prompt_tokens_details.cached_tokens == reused
+    assert answer.choices[0].message.content == expected and answer.choices[0].finish_reason == reason
+
+
+def test_concurrent_streams_each_equal_alone_and_a_late_one_starts_early(server, reference):
+    url, _ = server
+    _, tokenizer = reference
+    lengths = [8 + 9 * i for i in range(len(PROMPTS))]
+    lengths[0] = 200  # the longest runs while the late request arrives
+    expected = [greedy_reference(reference, tokenizer.encode(p), n) for p, n in zip(PROMPTS, lengths)]
+    assert expected[0][1] == "length"
+    results, times = {}, {}
+
+    def run(i, prompt, max_tokens):
+        pieces = []
+        for chunk in client(url).completions.create(model="tiny-chat", prompt=prompt, max_tokens=max_tokens,
+                                                     temperature=0, stream=True):  # fmt: skip
+            if chunk.choices[0].text and i not in times:
+                times[i] = time.perf_counter()
+            pieces.append(chunk.choices[0].text)
+        results[i] = "".join(pieces), chunk.choices[0].finish_reason
+        times[f"end{i}"] = time.perf_counter()
+
+    threads = [threading.Thread(target=run, args=(i, p, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    for t in threads:
+        t.start()
+    while 0 not in times:
+        time.sleep(0.01)
+    late = threading.Thread(target=run, args=("late", "ab", 4))
+    late.start()
+    for t in threads + [late]:
+        t.join(timeout=300)
+    assert [results[i] for i in range(len(PROMPTS))] == expected
+    assert times["late"] < times["end0"], "the late request waited for the longest one to end"
+
+
+def test_bad_inputs_get_errors_and_the_server_goes_on(server):
+    url, _ = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat, text = url + "/v1/chat/completions", url + "/v1/completions"
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        (text, b"{not json", None), (text, b"[1, 2]", None), (text, b'"text"', None),
+        (text, {"prompt": "x", "model": "gpt-4"}, "model"), (text, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (text, {"prompt": "x", "max_tokens": 10**6}, "max_tokens"), (chat, {"messages": user, "max_completion_tokens": -1}, "max_completion_tokens"),
+        (text, {"prompt": "x", "temperature": -0.5}, "temperature"), (text, {"prompt": "x", "top_p": 0}, "top_p"),
+        (text, {"prompt": "x", "top_p": 1.5}, "top_p"), (text, {"prompt": "x", "n": 0}, "n"),
+        (chat, {"messages": []}, "messages"), (chat, {"messages": "hi"}, "messages"),
+        (chat, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (chat, {"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content"),
+        (text, {"prompt": "x " * 400}, "prompt"), (text, {"prompt": "x", "stop": ["a"] * 17}, "stop"),
+        (text, {"prompt": "x", "stop": [""]}, "stop"), (text, {"prompt": "x", "temperature": "hot"}, "temperature"),
+        (text, {"prompt": "x", "logprobs": 6}, "logprobs"), (chat, {"messages": user, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        (text, {"prompt": [[1, 99999]]}, "prompt"), (text, {}, "prompt"),
+        (chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (text, {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+    ]  # fmt: skip
+    for endpoint, body, param in cases:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = httpx.post(endpoint, content=data, headers=auth | {"Content-Type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param and r.json()["error"]["message"], (body, r.text)
+    r = httpx.post(text, content=b'{"prompt": "' + b"x" * (1 << 20) + b'"}', headers=auth)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/health").status_code == 200  # outside /v1: no key
+    ok = httpx.post(text, json={"prompt": "x", "max_tokens": 2}, headers=auth)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.skipif(not SMOLLM2_DIR.joinpath("model.pth").is_file(), reason="needs scripts/prepare.sh")
+def test_disconnect_frees_the_slot_and_a_full_queue_answers_429(tmp_path):
+    """One slot, one waiting place: a long stream holds the slot, a second request waits, a third gets 429; when
+    the first client goes away mid-stream, its slot goes to the waiting request at once."""
+    process, url, log = start_server(SMOLLM2_DIR / "model.pth", tmp_path, "--max_batch_size", "1", "--max_queue", "1")
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=120) as first:
+            with first.stream("POST", url + "/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                assert next(lines).startswith("data: ")
+                waiting = queue.Queue()
+                second = threading.Thread(target=lambda: waiting.put(httpx.post(
+                    url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)))  # fmt: skip
+                second.start()
+                while httpx.get(url + "/health").json()["waiting"] == 0:
+                    time.sleep(0.05)
+                full = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error"
+            # The stream is closed here, some 998 tokens early: ~60 s of decoding at SmolLM2's eager pace.
+        answer = waiting.get(timeout=30)
+        assert answer.status_code == 200
+        second.join()
+        log.seek(0)
+        first_line = next(line for line in log if "prompt_tokens=4 " in line)
+        assert int(first_line.split("completion_tokens=")[1].split()[0]) < 100, first_line
+    finally:
+        stop_server(process, log)
+
+
+def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
+    """The engine in-process, compiled: warm_up compiles the graphs of its few batch sizes (powers of two, greedy
+    and sampled), and then requests of different lengths coming and going, greedy and sampled, over windows of
+    the cache of every length, compile nothing; each greedy request's text is its greedy text alone."""
+    model = load_model(tiny_checkpoint / "model.pth")
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    engine = Engine(model, tokenizer, 4, 256, compile_steps(torch.device("cpu")), max_queue=8)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    engine.warm_up()
+    assert counters["stats"]["unique_graphs"] == 2 * len([1, 2, 4]) and not counters["graph_break"]
+    counters.clear()
+    engine.thread.start()
+
+    wave = lambda *args: run_wave(engine, tokenizer, *args)  # noqa: E731
+    alone = lambda p, n: Stream(load_model(tiny_checkpoint / "model.pth"), tokenizer, p, n).run().texts[0]  # noqa: E731
+    # Lengths whose steps attend to windows of 128 slots and of the most (255: one fewer than the cache holds).
+    lengths, greedy, hot = [5, 140, 9, 230, 3, 12], SamplingParams(), SamplingParams(temperature=0.8, seed=1)
+    texts = wave(PROMPTS[:6], lengths, [greedy, hot] * 3)
+    assert texts[::2] == [alone(p, n) for p, n in zip(PROMPTS[:6:2], lengths[::2])]
+    texts = wave(PROMPTS[6:12], lengths[::-1], [greedy] * 6)
+    assert texts == [alone(p, n) for p, n in zip(PROMPTS[6:12], lengths[::-1])]
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+def run_wave(engine, tokenizer, prompts, lengths, params) -> list[str]:
+    """Submits one choice per prompt (text or token ids) to a running engine at once; their texts."""
+    events = queue.Queue()
+    choices = [Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put)
+               for i, (p, n, q) in enumerate(zip(prompts, lengths, params))]  # fmt: skip
+    engine.submit(choices)
+    texts, done = [""] * len(choices), 0
+    while done < len(choices):
+        e = events.get(timeout=300)
+        assert "error" not in e, e
+        texts[e["index"]] += e["text"]
+        done += e["finish_reason"] is not None
+    return texts
+
+
+@pytest.fixture(scope="module")
+def unrelated_draft(tiny_tokenizer_json, tmp_path_factory) -> Path:
+    """A smaller random model with the tiny one's tokenizer: its drafts are mostly rejected."""
+    folder = tmp_path_factory.mktemp("draft")
+    make_hf_llama(folder / "hf", tiny_tokenizer_json, seed=7, num_hidden_layers=1, num_key_value_heads=1, hidden_size=32)
+    convert_hf_checkpoint(folder / "hf", folder / "draft")
+    return folder / "draft" / "model.pth"
+
+
+@pytest.mark.parametrize("draft_name", ["itself", "unrelated"])
+def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unrelated_draft, draft_name):
+    """With a draft, each greedy request still gets its own greedy text, whether the draft agrees with the model
+    (every draft kept, a bonus token per round) or mostly not (rejections at every depth); a request with
+    penalties, which speculation does not cover, gets its own text too while the others wait for it in
+    one-token steps; a sampled request runs beside them. Rows come and go, and reuse slots."""
+    model = load_model(tiny_checkpoint / "model.pth")
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    draft = load_model(tiny_checkpoint / "model.pth" if draft_name == "itself" else unrelated_draft)
+    engine = Engine(model, tokenizer, 4, 256, Steps(), max_queue=8, draft=draft, speculate_k=3)
+    engine.thread.start()
+    reference = load_model(tiny_checkpoint / "model.pth")
+    alone = lambda p, n, q=SamplingParams(): Stream(reference, tokenizer, p, n, sampling=q).run().texts[0]  # noqa: E731
+    greedy, hot, penalized = SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(repetition_penalty=1.3)
+    lengths = [30, 7, 41, 16, 3, 25]
+    texts = run_wave(engine, tokenizer, PROMPTS[:6], lengths, [greedy, hot, greedy, greedy, greedy, greedy])
+    rounds = engine.speculation.rounds
+    plain = run_wave(engine, tokenizer, PROMPTS[6:10], lengths[:4], [greedy, penalized, greedy, greedy])
+    assert engine.speculation.rounds > rounds  # once the request with penalties ended
+    assert texts[::2] + texts[3:4] + texts[5:] == [alone(p, n) for p, n in zip(PROMPTS[:6:2] + PROMPTS[3:4] + PROMPTS[5:6],
+                                                                               lengths[::2] + lengths[3:4] + lengths[5:])]
+    assert plain == [alone(p, n, q) for p, n, q in zip(PROMPTS[6:10], lengths, [greedy, penalized, greedy, greedy])]
+    # Conversations going on: each prompt extends what a slot holds, which is not prefilled again.
+    continued = [ids + ids[1:3] for ids in engine.cached if ids][:3]
+    texts = run_wave(engine, tokenizer, continued, [12] * 3, [greedy] * 3)
+    assert texts == [alone(ids, 12) for ids in continued]
+    histogram = engine.speculation.summary()["accepted_length_histogram"]
+    if draft_name == "itself":
+        assert histogram[-1] > 0.9 * sum(histogram)  # its own drafts: kept but for rounding of near-ties
+        # Same weights, same tokens: the draft's cache holds what the model's does (but for the last position
+        # after a round that kept every draft), up to the rounding of batches (~1e-6); a stale position is O(1) off.
+        for row, held in enumerate(engine.cached):
+            for ours, its in zip(model.layers, draft.layers):
+                a, b = ours.attention.kv_cache, its.attention.kv_cache
+                torch.testing.assert_close(b.k_cache[row, :, : len(held) - 1], a.k_cache[row, :, : len(held) - 1], atol=1e-4, rtol=0)
+                torch.testing.assert_close(b.v_cache[row, :, : len(held) - 1], a.v_cache[row, :, : len(held) - 1], atol=1e-4, rtol=0)
+    else:
+        assert histogram[0] > 0 and sum(histogram[1:]) > 0
+
+
+def test_compiled_speculative_engine_compiles_only_before_serving(tiny_checkpoint, unrelated_draft):
+    """Compiled, with a draft: warm_up compiles, per batch size (1, 2) and greedy or sampled, the decode step,
+    the draft's steps of two tokens and of one, and the verification; then requests (more than the slots,
+    greedy, sampled and with penalties, whose steps are plain decode steps) compile nothing more, and each
+    greedy one gets its greedy text alone."""
+    model, draft = load_model(tiny_checkpoint / "model.pth"), load_model(unrelated_draft)
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    engine = Engine(model, tokenizer, 2, 256, compile_steps(torch.device("cpu")), 8, draft, speculate_k=3)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    engine.warm_up()
+    assert counters["stats"]["unique_graphs"] == 2 * 2 * 4 and not counters["graph_break"]
+    counters.clear()
+    engine.thread.start()
+    greedy, hot, penalized = SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(repetition_penalty=1.3)
+    lengths = [140, 9, 230, 30]
+    texts = run_wave(engine, tokenizer, PROMPTS[:4], lengths, [greedy, hot, greedy, penalized])
+    assert counters["stats"]["unique_graphs"] == 0 and engine.speculation.rounds > 0
+    reference = load_model(tiny_checkpoint / "model.pth")
+    alone = lambda p, n, q: Stream(reference, tokenizer, p, n, sampling=q).run().texts[0]  # noqa: E731
+    assert texts[::2] + texts[3:] == [alone(p, n, q) for p, n, q in zip(PROMPTS[0:4:2] + PROMPTS[3:4], lengths[::2] + lengths[3:],
+                                                                         [greedy, greedy, penalized])]  # fmt: skip
+
+
+def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelated_draft, reference, tmp_path):
+    """server.py --draft_checkpoint_path: concurrent greedy requests get the model's own greedy texts, from
+    speculative rounds (their statistics in /health); a draft with another tokenizer is refused at start."""
+    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--draft_checkpoint_path",
+                                     str(unrelated_draft), "--speculate_k", "3")  # fmt: skip
+    try:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompts, answers = PROMPTS[:4], queue.Queue()
+        ask = lambda p: answers.put((p, api.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0)))  # noqa: E731
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for prompt, answer in (answers.get() for _ in prompts):
+            expected = greedy_reference(reference, reference[1].encode(prompt), 24)
+            assert (answer.choices[0].text, answer.choices[0].finish_reason) == expected
+        speculation = httpx.get(url + "/health").json()["speculation"]
+        assert speculation["speculate_k"] == 3 and sum(speculation["accepted_length_histogram"]) > 0
+    finally:
+        stop_server(process, log)
+    refused = subprocess.run([sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(chat_checkpoint),
+                              "--draft_checkpoint_path", str(SMOLLM2_DIR)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1].startswith("error: the draft")
+
+
+def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        pytest.skip("needs Debian's chromium and chromium-driver (scripts/test.sh installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    url, _ = server
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=900,700"):  # fmt: skip
+        options.add_argument(flag)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        browser.get(url + "/")
+        for field, value in [("api_key", KEY + "\t"), ("temperature", "0"), ("max_tokens", "40")]:
+            browser.find_element(By.ID, field).clear()
+            browser.find_element(By.ID, field).send_keys(value)
+        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == "tiny-chat")
+        # Every text the reply shows on its way: streamed, it grows in more than one step.
+        browser.execute_script("""window.shown = new Set(); new MutationObserver(() => {
+            const r = document.querySelector('.msg.assistant'); if (r) window.shown.add(r.textContent);
+        }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});""")
+        browser.find_element(By.ID, "input").send_keys("The quick brown\n")
+        WebDriverWait(browser, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "stats").text)
+        reply = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")
+        assert len(reply) == 1, browser.page_source
+        assert browser.find_elements(By.CSS_SELECTOR, ".msg.user")[0].text == "The quick brown"
+        expected = client(url).chat.completions.create(model="tiny-chat", max_tokens=40, temperature=0,
+                                                       messages=[{"role": "user", "content": "The quick brown"}])  # fmt: skip
+        assert reply[0].get_property("textContent") == expected.choices[0].message.content
+        assert len(browser.execute_script("return [...window.shown]")) >= 3, "the reply did not stream"
+    finally:
+        browser.quit()
