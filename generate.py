@@ -144,7 +144,7 @@ def check_speculation(model, draft, params: SamplingParams, k: int):
         raise ValueError(f"speculate_k must be >= 1, got {k}")
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})")
-    if params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty or params.logprobs is not None:
+    if params.penalized or params.logprobs is not None:
         raise ValueError("speculative decoding supports temperature, top_k, top_p and min_p, not penalties or logprobs")
 
 

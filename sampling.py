@@ -48,6 +48,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a token's odds depend on the tokens before it: speculative decoding's rule does not cover that."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def generator(self, device) -> torch.Generator | None:
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 

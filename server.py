@@ -36,7 +36,7 @@ from checkpoint import DEFAULT_CHECKPOINT, DTYPES, HelpFormatter, device_flag, r
 from generate import check_draft_tokenizer, check_speculation, compile_steps, encode_conversation, load_model, prefill
 from model import Kernels
 from results import Speculation, TextPieces
-from sampling import SamplingParams, accept_drafts, check_seed, record_token, row_sampler_state, set_row
+from sampling import SamplerState, SamplingParams, accept_drafts, check_seed, record_token, row_sampler_state, set_row
 from tokenizer import Tokenizer, load_tokenizer
 
 MAX_BODY_BYTES = 1 << 20
@@ -88,8 +88,7 @@ class Choice:
 
 def speculable(c: Choice) -> bool:
     """Whether speculative decoding's acceptance rule covers a choice's sampling (not penalties or log-probs)."""
-    p = c.params
-    return c.top_logprobs is None and p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+    return c.top_logprobs is None and not c.params.penalized
 
 
 class Engine:
@@ -114,7 +113,6 @@ class Engine:
         self.state = row_sampler_state(max_batch_size, model.config.vocab_size, self.device)
         self.tokens = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
         self.last = [0] * max_batch_size  # self.tokens on the host: each row's token to feed next
-        self.positions = torch.full((max_batch_size, 1), self.idle_position, dtype=torch.long, device=self.device)
         self.no_pad = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)
         # A decode step runs rows 0..n-1, n a power of two below the slots or all of them: few compiled shapes.
         self.batch_sizes = sorted({min(1 << i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
@@ -132,15 +130,27 @@ class Engine:
         wait; log-probs compile when first asked for. Idle rows write at positions no request reaches, so this
         changes no slot."""
         for n in self.batch_sizes:
-            state = type(self.state)(*(t[:n] for t in self.state))
+            state, positions = self.state_rows(slice(0, n)), self.positions(n)
             for greedy in (True, False):
                 start = time.perf_counter()
-                self.steps.decode(self.model, self.tokens[:n], self.positions[:n], self.no_pad[:n], state,
+                self.steps.decode(self.model, self.tokens[:n], positions, self.no_pad[:n], state,
                                   greedy=greedy, n_logprobs=None, window=self.window(0))  # fmt: skip
                 if self.draft is not None:
-                    self.draft_and_verify(n, [], state, greedy, self.window(0))
+                    self.draft_and_verify(n, [], state, positions, greedy, self.window(0))
                 log.info("%s of %d rows, %s: ready in %.1f s", "speculative round" if self.draft else "decode step",
                          n, "greedy" if greedy else "sampled", time.perf_counter() - start)  # fmt: skip
+
+    def state_rows(self, rows: slice) -> SamplerState:
+        return SamplerState(*(t[rows] for t in self.state))
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Rows 0..n-1's positions to feed next [n, 1]: a busy row's next after the tokens it holds; an idle
+        row's the idle position."""
+        return torch.tensor([[len(self.cached[i]) if self.slots[i] is not None else self.idle_position]
+                             for i in range(n)], device=self.device)  # fmt: skip
+
+    def batch_size(self, busy: list[int]) -> int:
+        return next(n for n in self.batch_sizes if n > max(busy))
 
     def window(self, position: int) -> torch.Tensor:
         """The steps' window for a step whose rows write up to position: a tensor of the slots' number (only
@@ -211,7 +221,7 @@ class Engine:
         self.refill_noise([row])
         x = torch.tensor([choice.ids[start:]], device=self.device)
         positions = torch.arange(start, len(choice.ids), device=self.device)
-        row_state = type(self.state)(*(t[row : row + 1] for t in self.state))
+        row_state = self.state_rows(slice(row, row + 1))
         token, logprobs = prefill(self.model, x, positions, self.no_pad[:1], row_state, choice.params.greedy,
                                   choice.top_logprobs, first_row=row, kv_length=len(choice.ids))  # fmt: skip
         if self.draft is not None:  # from one position earlier: the draft may lack the last one the slot held
@@ -220,7 +230,6 @@ class Engine:
                        torch.arange(since, len(choice.ids), device=self.device), self.no_pad[:1], last_only=True,
                        first_row=row, kv_length=len(choice.ids))  # fmt: skip
         self.cached[row] = list(choice.ids)
-        self.positions[row] = len(choice.ids)
         self.tokens[row] = token[0]
         self.last[row] = int(token)
         self.emit(row, self.last[row], None if logprobs is None else row_logprobs([t.tolist() for t in logprobs], 0))
@@ -232,37 +241,36 @@ class Engine:
                 self.state.noise[i].exponential_(generator=c.generator)
 
     def decode(self, busy: list[int]):
-        n = next(n for n in self.batch_sizes if n > max(busy))
-        state = type(self.state)(*(t[:n] for t in self.state))
+        n = self.batch_size(busy)
+        state, positions = self.state_rows(slice(0, n)), self.positions(n)
         record_token(state, self.tokens[:n])
         self.refill_noise(busy)
         greedy = all(self.slots[i].params.greedy for i in busy)
         n_logprobs = MAX_TOP_LOGPROBS if any(self.slots[i].top_logprobs is not None for i in busy) else None
         window = self.window(max(len(self.cached[i]) for i in busy))  # a row feeds position len(cached)
-        token, logprobs = self.steps.decode(self.model, self.tokens[:n], self.positions[:n], self.no_pad[:n], state,
+        token, logprobs = self.steps.decode(self.model, self.tokens[:n], positions, self.no_pad[:n], state,
                                             greedy=greedy, n_logprobs=n_logprobs, window=window)  # fmt: skip
         if self.draft is not None:  # keeps up: a speculative round expects it to lack one position at most
-            self.draft(*self.draft_inputs(n, busy), self.no_pad[:n], last_only=True, kv_length=window.shape[0])
+            self.draft(*self.draft_inputs(n, positions), self.no_pad[:n], last_only=True, kv_length=window.shape[0])
         self.tokens[:n] = token  # a copy: CUDA graphs reuse token's buffer on the next call
         host = token[:, 0].tolist()  # the step's one sync
         logprobs = None if logprobs is None else [t.tolist() for t in logprobs]
         for i in busy:
             self.cached[i].append(self.last[i])
-            self.positions[i] += 1
             self.last[i] = host[i]
             self.emit(i, host[i], None if logprobs is None else row_logprobs(logprobs, i))
 
-    def draft_inputs(self, n: int, busy: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_inputs(self, n: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..n-1's previous and current tokens [n, 2] and their positions: what the draft reads next, as
         its cache may lack the previous one (the model's verification kept all the drafted tokens)."""
-        previous = torch.tensor([[self.cached[i][-1] if i in busy else 0] for i in range(n)], device=self.device)
-        positions = self.positions[:n]
+        previous = torch.tensor([[self.cached[i][-1] if self.slots[i] is not None else 0] for i in range(n)],
+                                device=self.device)  # fmt: skip
         return torch.cat([previous, self.tokens[:n]], dim=1), torch.cat([positions - 1, positions], dim=1)
 
-    def draft_and_verify(self, n: int, busy: list[int], state, greedy: bool, window: torch.Tensor):
+    def draft_and_verify(self, n: int, busy: list[int], state, positions: torch.Tensor, greedy: bool, window: torch.Tensor):
         """Rows 0..n-1: the draft drafts k tokens, the model reads the current and drafted ones in one pass.
         Returns the drafted tokens [n, k], the draft's distributions [n, k, V] and the model's [n, k + 1, V]."""
-        token, at = self.draft_inputs(n, busy)
+        token, at = self.draft_inputs(n, positions)
         drafted, probs = [], []
         for _ in range(self.k):
             self.refill_noise(busy)
@@ -271,17 +279,17 @@ class Engine:
             probs.append(p.clone())
             at = at[:, -1:] + 1
         drafted = torch.cat(drafted, dim=1)
-        at = self.positions[:n] + torch.arange(self.k + 1, device=self.device)
+        at = positions + torch.arange(self.k + 1, device=self.device)
         q = self.steps.verify(self.model, torch.cat([self.tokens[:n], drafted], dim=1), at, state, greedy, window)
         return drafted, torch.stack(probs, dim=1), q
 
     def speculate(self, busy: list[int]):
         """One round of speculative decoding for every busy slot."""
-        n = next(n for n in self.batch_sizes if n > max(busy))
-        state = type(self.state)(*(t[:n] for t in self.state))
+        n = self.batch_size(busy)
+        state = self.state_rows(slice(0, n))
         greedy = all(self.slots[i].params.greedy for i in busy)
         window = self.window(max(len(self.cached[i]) for i in busy) + self.k)
-        drafted, p, q = self.draft_and_verify(n, busy, state, greedy, window)
+        drafted, p, q = self.draft_and_verify(n, busy, state, self.positions(n), greedy, window)
         uniforms = torch.zeros(n, self.k, device=self.device)  # a greedy row keeps a draft where q (one-hot) agrees
         for i in busy:
             if not self.slots[i].params.greedy:
@@ -294,7 +302,6 @@ class Engine:
             n_kept, new = host[i][0], host[i][2 : 2 + host[i][0]] + [host[i][1]]
             self.speculation.record(n_kept)
             self.cached[i] += [self.last[i]] + new[:-1]
-            self.positions[i] += len(new)
             self.last[i] = new[-1]
             for token in new:
                 self.emit(i, token, None)
@@ -325,7 +332,6 @@ class Engine:
     def finish(self, row: int, error: str | None = None):
         c = self.slots[row]
         self.slots[row] = None
-        self.positions[row] = self.idle_position
         if error is not None:
             c.send({"index": c.index, "error": error})
 
