@@ -372,6 +372,10 @@ class TransformerBlock(nn.Module):
         post_norm = functools.partial(make_norm, config, config.dim) if config.post_norms else nn.Identity
         self.post_attention_norm, self.post_ffn_norm = post_norm(), post_norm()
 
+    # Under torch.compile one layer's code is traced and compiled once and reused for every layer with the same
+    # inputs' shapes and attributes (regional compilation; eagerly a no-op). SmolLM2's 30 layers on 2 AMD cores:
+    # a first-ever compile of the decode step in 17 s instead of 81, a cached one in 5 s instead of 16, same speed.
+    @torch.compiler.nested_compile_region
     def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0) -> Tensor:
         h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, freqs_cis, mask, first_row))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))

@@ -111,6 +111,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2))
         self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("groupsize_tensor", None, persistent=False)  # CPU only: see forward
         self.register_buffer("kernel_scales_and_zeros", None, persistent=False)  # in the kernels' activation dtype
         # CPU only, for fused one-row products (see forward): byte j holds inputs j and j + K/2, and the
         # group scales and offsets as [N, K / groupsize] float32, where weight = code * scale + offset.
@@ -133,6 +134,7 @@ class Int4Linear(nn.Module):
             pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
             codes = unpack_int4(self.weight)
             self.packed = torch.cat([pack(codes[i : i + 256].int(), 2) for i in rows])
+            self.groupsize_tensor = torch.tensor(self.groupsize)
             half = self.in_features // 2
             self.halves = self.group_scales = self.group_offsets = None  # from an earlier choice of kernels
             if self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
@@ -162,8 +164,10 @@ class Int4Linear(nn.Module):
         sz = self.kernel_scales_and_zeros
         if x.is_cuda:  # the CUDA kernel takes bfloat16 only
             y = torch.ops.aten._weight_int4pack_mm(x2d.to(torch.bfloat16), self.packed, self.groupsize, sz).to(x.dtype)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d.to(sz.dtype), self.packed, self.groupsize, sz)
+        else:  # the kernel behind aten._weight_int4pack_mm_for_cpu, taking the group size as a tensor: inductor
+            # turns an int group size into a constant, which torch 2.13 leaves unset inside a layer compiled once
+            # for all (model.TransformerBlock), so the compiled step would fail
+            y = torch.ops.quantized.int4mm_packed_weight_cpu(x2d.to(sz.dtype), self.packed, self.groupsize_tensor, sz)
             y = y.to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

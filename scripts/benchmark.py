@@ -11,6 +11,9 @@ with no EOS. Every round runs each configuration once, ours and the peers interl
 change in the machine's load hits all of them alike; the table shows medians over the rounds, after
 one warm-up run each (which, for compiled ones, compiles: "compile s"). MBU = bytes of weights a decode
 step reads x steps per second / the copy bandwidth measured at the start of the same run.
+--start times what a user waits for: `generate.py --compile` in a new process, from its start to its
+exit after 2 greedy tokens (an upper bound of the time to the first token), with an empty inductor
+cache ("first start s") and then with the cache that run left ("start s").
 int8 / int4 models are quantized in memory (round to nearest; int4 groups of --groupsize).
 llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python);
 its F32 / F16 / Q8_0 files are made from the GGUF with the package's own quantize function.
@@ -22,7 +25,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +40,7 @@ from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, resolve_c
 from generate import compile_steps, generate, load_model  # noqa: E402
 from model import Kernels, ModelArgs, Transformer, ensure_caches, model_size_bytes, set_kernels  # noqa: E402
 from results import synchronize  # noqa: E402
-from quantize import quantize_model  # noqa: E402
+from quantize import quantize_checkpoint, quantize_model  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # random-weight models of well-known shapes: GPU runs need no download
@@ -62,6 +67,7 @@ class Entry:
     memory_mb: float = float("nan")  # RSS growth (CPU) or peak allocated (CUDA) while loading and warming up
     compile_s: float | None = None
     compiled: bool = False
+    start_s: tuple[float, float] | None = None  # --start: (first-ever, cached) seconds to generate.py's first tokens
     runs: list[dict] = field(default_factory=list)
 
     def median(self, key: str) -> float:
@@ -171,6 +177,33 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
     return entry
 
 
+def measure_start(args, config: Config, folder: Path) -> tuple[float, float]:
+    """Seconds from process start to exit of `generate.py --compile` making 2 greedy tokens: with an empty
+    inductor cache, then with the one it filled. int8 / int4 checkpoints are quantized into folder first."""
+    checkpoint = resolve_checkpoint(args.checkpoint_path)
+    if config.precision in ("int8", "int4"):
+        for f in checkpoint.parent.iterdir():  # config and tokenizer files beside the model, as quantize.py needs
+            if f.is_file() and f.suffix != ".pth" and not (folder / f.name).exists():
+                (folder / f.name).symlink_to(f.resolve())
+        if not (folder / checkpoint.name).exists():
+            (folder / checkpoint.name).symlink_to(checkpoint.resolve())
+        checkpoint = quantize_checkpoint(folder / checkpoint.name, config.precision, args.groupsize)
+    dtype = "bfloat16" if config.precision == "bfloat16" else "float32"
+    command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(checkpoint), "--compile",
+               "--prompt", "Hello", "--max_new_tokens", "2", "--temperature", "0", "--dtype", dtype,
+               "--kernels", config.matvec, "--device", str(args.device)]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(args.threads))
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            done = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+            times.append(time.perf_counter() - start)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    return times[0], times[1]
+
+
 def gguf_variant(source: Path, kind: str, threads: int) -> Path:
     """source requantized to llama.cpp type `kind` (cached beside it), made by llama.cpp itself."""
     import llama_cpp
@@ -272,6 +305,8 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
             "mbu": e.weight_bytes * decode / 1e9 / bandwidth,
             "memory_mb": e.memory_mb,
             "compile_s": e.compile_s,
+            "first_start_s": e.start_s[0] if e.start_s else None,
+            "start_s": e.start_s[1] if e.start_s else None,
         }
         if e.precision is not None:
             peer = peers.get(f"llama.cpp {LLAMA_CPP_TYPES[e.precision]}")
@@ -284,16 +319,17 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
     memory = "peak MB" if device.type == "cuda" else "RSS +MB"
     lines = [
         f"| config | prefill tok/s | TTFT ms | decode tok/s | MB/token | GB/s | MBU | {memory} | compile s "
-        "| decode vs llama.cpp | prefill vs llama.cpp | decode vs transformers |",
-        "|---|" + "---|" * 12,
+        "| first start s | start s | decode vs llama.cpp | prefill vs llama.cpp | decode vs transformers |",
+        "|---|" + "---|" * 14,
     ]
     for r in rows:
         ratio = lambda key: f"{r[key]:.2f}x" if key in r else ""  # noqa: E731
-        compile_s = f"{r['compile_s']:.0f}" if r["compile_s"] is not None else ""
+        seconds = lambda key: f"{r[key]:.1f}" if r[key] is not None else ""  # noqa: E731
         lines.append(
             f"| {r['config']} | {r['prefill_tokens_per_s']:.0f} | {r['time_to_first_token_ms']:.0f} "
             f"| {r['decode_tokens_per_s']:.1f} | {r['weights_mb_per_token']:.0f} | {r['achieved_gb_s']:.1f} "
-            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {compile_s} | {ratio('vs_llama_cpp_decode')} "
+            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {seconds('compile_s')} | {seconds('first_start_s')} "
+            f"| {seconds('start_s')} | {ratio('vs_llama_cpp_decode')} "
             f"| {ratio('vs_llama_cpp_prefill')} | {ratio('vs_transformers_decode')} |"
         )
     return "\n".join(lines), rows
@@ -319,6 +355,9 @@ def parse_args(argv=None):
                    help="cpu, cuda or cuda:N")  # fmt: skip
     p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument("--start", action="store_true",
+                   help="also time generate.py --compile from process start to its first tokens, first-ever "
+                        "(empty inductor cache) and cached, for each compiled configuration")  # fmt: skip
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
                         "same way (compiled or eager) in this run")  # fmt: skip
@@ -335,6 +374,8 @@ def parse_args(argv=None):
         p.error("--peers needs --gguf: the same model as a GGUF file")
     if (args.gguf is not None or args.peers) and not peers_gguf(args).is_file():
         p.error(f"GGUF file {peers_gguf(args)} not found (bash scripts/prepare.sh makes the default one)")
+    if args.start and args.shape:
+        p.error("--start runs generate.py on a checkpoint: not with --shape")
     if args.peers and args.device.type != "cpu":
         p.error("the peers run on the CPU: compare them with --device cpu")
     return args
@@ -377,6 +418,10 @@ def benchmark(args):
     for config in args.configs:
         print(f"preparing ours {config} ...", file=sys.stderr)
         entries.append(our_entry(args, config, prompt))
+        if args.start and config.compiled:
+            with tempfile.TemporaryDirectory(prefix="start-") as folder:
+                entries[-1].start_s = measure_start(args, config, Path(folder))
+            print(f"start: {entries[-1].start_s[0]:.1f} s first, {entries[-1].start_s[1]:.1f} s cached", file=sys.stderr)
         if args.draft is not None:
             entries.append(our_entry(args, config, prompt, with_draft=True))
     if "llama.cpp" in args.peers:

@@ -53,3 +53,17 @@ def test_check_flags_a_quantized_config_slower_than_float32():
     problems = quantized_slower_than_float32([float32, fast, slow, eager_int8, peer])
     assert problems == ["int4 compiled decodes 28.0 tok/s, f32 compiled 29.0"]
     assert quantized_slower_than_float32([float32, fast]) == []
+
+
+def test_start_times_generate_in_new_processes(tiny_checkpoint):
+    """--start runs generate.py --compile twice per compiled config (empty inductor cache, then filled), int8 from
+    a checkpoint quantized in a temporary folder: the user's folder gains no file."""
+    before = sorted(p.name for p in tiny_checkpoint.iterdir())
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "compiled:int8", "--start",
+                           "--rounds", "1", "--prompt_length", "4", "--new_tokens", "4", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert row["first_start_s"] > 0 and row["start_s"] > 0 and row["compile_s"] > 0
+    assert f"| {row['first_start_s']:.1f} | {row['start_s']:.1f} |" in result.stdout
+    assert sorted(p.name for p in tiny_checkpoint.iterdir()) == before
+    assert "--start runs generate.py on a checkpoint" in run_benchmark("--shape", "smollm2-135m", "--start").stderr
