@@ -21,6 +21,7 @@ its F32 / F16 / Q8_0 files are made from the GGUF with the package's own quantiz
 import argparse
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import platform
@@ -320,7 +321,7 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
     lines = [
         f"| config | prefill tok/s | TTFT ms | decode tok/s | MB/token | GB/s | MBU | {memory} | compile s "
         "| first start s | start s | decode vs llama.cpp | prefill vs llama.cpp | decode vs transformers |",
-        "|---|" + "---|" * 14,
+        "|---|" + "---|" * 13,
     ]
     for r in rows:
         ratio = lambda key: f"{r[key]:.2f}x" if key in r else ""  # noqa: E731
@@ -333,6 +334,61 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
             f"| {ratio('vs_llama_cpp_prefill')} | {ratio('vs_transformers_decode')} |"
         )
     return "\n".join(lines), rows
+
+
+def chart_bars(entries: list[Entry]) -> dict[str, list[tuple[str, Entry]]]:
+    """The chart's bars, grouped by precision: (kind, entry) for ours (without draft) and the comparable peers."""
+    peers = {e.name: e for e in entries if e.precision is None}
+    groups = {}
+    for precision in PRECISIONS:
+        ours = [e for e in entries if e.precision == precision and "draft" not in e.name]
+        if not ours:
+            continue
+        bars = [("ours compiled" if e.compiled else "ours eager", e) for e in ours]
+        if (peer := peers.get(f"llama.cpp {LLAMA_CPP_TYPES[precision]}")) is not None:
+            bars.append(("llama.cpp", peer))
+        if precision == "float32" and "transformers eager float32" in peers:
+            bars.append(("transformers eager", peers["transformers eager float32"]))
+        groups[precision] = bars
+    return groups
+
+
+def draw_chart(entries: list[Entry], bandwidth: float, title: str, path: Path):
+    """A PNG of decode tok/s per precision, ours beside the peers, and the most that the copy bandwidth allows
+    for our weights of that precision (bandwidth / bytes read per token)."""
+    import matplotlib  # optional: only --chart needs it (parse_args checks it is there)
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    colors = {"ours compiled": "#1f77b4", "ours eager": "#9ecae1", "llama.cpp": "#ff7f0e", "transformers eager": "#999999"}
+    figure, axes = pyplot.subplots(figsize=(10, 5.5))
+    x, ticks, labels, seen = 0.0, [], [], set()
+    for precision, bars in chart_bars(entries).items():
+        left = x
+        for kind, e in bars:
+            speed = e.median("decode_tokens_per_s")
+            axes.bar(x, speed, width=0.8, color=colors[kind], label=None if kind in seen else kind)
+            axes.annotate(f"{speed:.1f}", (x, speed), ha="center", va="bottom", fontsize=8)
+            seen.add(kind)
+            x += 1
+        limit = bandwidth * 1e9 / bars[0][1].weight_bytes
+        axes.hlines(limit, left - 0.4, x - 0.6, colors="black", linestyles="dashed",
+                    label=None if "limit" in seen else "bandwidth limit of our weights")  # fmt: skip
+        seen.add("limit")
+        peer = f" / {LLAMA_CPP_TYPES[precision]}" if any(kind == "llama.cpp" for kind, _ in bars) else ""
+        ticks.append((left + x - 1) / 2)
+        labels.append(precision + peer)
+        x += 0.8
+    axes.set_xticks(ticks, labels)
+    axes.set_ylabel("decode tokens/s (batch 1)")
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=8, loc="upper left")  # above the float32 bars, the lowest limit
+    figure.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, format="png", dpi=110)
+    pyplot.close(figure)
+    os.replace(tmp, path)
 
 
 def parse_args(argv=None):
@@ -355,6 +411,8 @@ def parse_args(argv=None):
                    help="cpu, cuda or cuda:N")  # fmt: skip
     p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
+    p.add_argument("--chart", type=Path, default=None,
+                   help="also draw decode tok/s per precision, ours vs the peers, as a PNG file (needs matplotlib)")
     p.add_argument("--start", action="store_true",
                    help="also time generate.py --compile from process start to its first tokens, first-ever "
                         "(empty inductor cache) and cached, for each compiled configuration")  # fmt: skip
@@ -378,6 +436,11 @@ def parse_args(argv=None):
         p.error("--start runs generate.py on a checkpoint: not with --shape")
     if args.peers and args.device.type != "cpu":
         p.error("the peers run on the CPU: compare them with --device cpu")
+    if args.chart is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--chart needs the matplotlib package (pip install matplotlib)")
+        if not args.chart.parent.is_dir():
+            p.error(f"--chart: folder {args.chart.parent} not found")
     return args
 
 
@@ -457,6 +520,11 @@ def benchmark(args):
           f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n"
           f"CPU: {cpu}\n")  # fmt: skip
     print(text)
+    if args.chart is not None:
+        name = args.shape or resolve_checkpoint(args.checkpoint_path).parent.name
+        draw_chart(entries, bandwidth, f"{name}, batch 1, {args.threads} threads, copy bandwidth {bandwidth:.1f} GB/s\n{cpu}",
+                   args.chart)  # fmt: skip
+        print(f"chart: {args.chart}", file=sys.stderr)
     if args.json:
         print(json.dumps({"copy_bandwidth_gb_s": bandwidth, "cpu": cpu, "rows": rows}))
     if args.check:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from benchmark import Entry, quantized_slower_than_float32
+from benchmark import Entry, chart_bars, quantized_slower_than_float32
 
 
 def run_benchmark(*args):
@@ -15,11 +15,16 @@ def run_benchmark(*args):
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
-def test_benchmark_rows(tiny_checkpoint):
+def test_benchmark_rows(tiny_checkpoint, tmp_path):
+    chart = tmp_path / "chart.png"
     result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "eager:float32,eager:int8:fused",
                            "--draft", str(tiny_checkpoint), "--rounds", "2", "--prompt_length", "8",
-                           "--new_tokens", "6", "--json")  # fmt: skip
+                           "--new_tokens", "6", "--json", "--chart", str(chart))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    png = chart.read_bytes()  # a PNG image (signature, then the IHDR chunk's width and height) of 10 x 5.5 in at 110 dpi
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1100, 605)
+    assert [p.name for p in tmp_path.iterdir()] == ["chart.png"]  # no temporary file left
     report = json.loads(result.stdout.strip().splitlines()[-1])
     rows = {row["config"]: row for row in report["rows"]}
     assert list(rows) == ["ours eager float32 (library)", "ours eager float32 (library) + draft (k=4)",
@@ -53,6 +58,23 @@ def test_check_flags_a_quantized_config_slower_than_float32():
     problems = quantized_slower_than_float32([float32, fast, slow, eager_int8, peer])
     assert problems == ["int4 compiled decodes 28.0 tok/s, f32 compiled 29.0"]
     assert quantized_slower_than_float32([float32, fast]) == []
+
+
+def test_chart_sets_each_precision_beside_its_comparable_peers():
+    def entry(name, precision=None, compiled=False):
+        return Entry(name, None, precision, compiled=compiled)
+
+    f32, int4 = entry("ours compiled float32", "float32", True), entry("ours eager int4", "int4")
+    draft = entry("ours compiled float32 + draft (k=4)", "float32", True)
+    q41, q80, hf = entry("llama.cpp Q4_1"), entry("llama.cpp Q8_0"), entry("transformers eager float32")
+    groups = chart_bars([f32, draft, int4, q41, q80, hf])
+    assert groups == {"float32": [("ours compiled", f32), ("transformers eager", hf)],
+                      "int4": [("ours eager", int4), ("llama.cpp", q41)]}  # fmt: skip
+
+
+def test_chart_needs_an_existing_folder(tmp_path):
+    result = run_benchmark("--chart", str(tmp_path / "missing" / "chart.png"))
+    assert result.returncode == 2 and "--chart: folder" in result.stderr and "not found" in result.stderr
 
 
 def test_start_times_generate_in_new_processes(tiny_checkpoint):
