@@ -182,12 +182,9 @@ def measure_start(args, config: Config, folder: Path) -> tuple[float, float]:
     """Seconds from process start to exit of `generate.py --compile` making 2 greedy tokens: with an empty
     inductor cache, then with the one it filled. int8 / int4 checkpoints are quantized into folder first."""
     checkpoint = resolve_checkpoint(args.checkpoint_path)
-    if config.precision in ("int8", "int4"):
-        for f in checkpoint.parent.iterdir():  # config and tokenizer files beside the model, as quantize.py needs
-            if f.is_file() and f.suffix != ".pth" and not (folder / f.name).exists():
-                (folder / f.name).symlink_to(f.resolve())
-        if not (folder / checkpoint.name).exists():
-            (folder / checkpoint.name).symlink_to(checkpoint.resolve())
+    if config.precision in ("int8", "int4"):  # the model and the config and tokenizer files that quantize.py needs
+        for f in [checkpoint, *(f for f in checkpoint.parent.iterdir() if f.is_file() and f.suffix != ".pth")]:
+            (folder / f.name).symlink_to(f.resolve())
         checkpoint = quantize_checkpoint(folder / checkpoint.name, config.precision, args.groupsize)
     dtype = "bfloat16" if config.precision == "bfloat16" else "float32"
     command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(checkpoint), "--compile",
