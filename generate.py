@@ -15,6 +15,7 @@ import functools
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import fields
@@ -85,9 +86,27 @@ class Steps(NamedTuple):
     verify: Callable = verify_step
 
 
+def inductor_cache_dir() -> Path:
+    """inductor's cache folder for the CPU capability in force (ATEN_CPU_CAPABILITY, else the CPU's best):
+    TORCHINDUCTOR_CACHE_DIR, else inductor's default, then /AVX512, /AVX2, ... inductor's cache key leaves out
+    the vector ISA of the C++ it generates, so a folder shared by two capabilities serves one of them code written
+    for the other, which computes garbage (docs/upstream-inductor-cache-isa.md). A folder already named after the
+    capability is that capability's folder (a process started by one that keyed it)."""
+    # Imported here, when compiling only: it loads much of inductor, which an eager run never needs.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).resolve()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return base if base.name == capability else base / capability
+
+
 def compile_steps(device: torch.device, decode: bool = True, prefill: bool = False) -> Steps:
     """Steps with the decode-shaped steps (decode, draft, verify) and/or the prefill compiled; each compiles on
-    first use. CUDA graphs ("reduce-overhead") exist on CUDA only."""
+    first use, with inductor's cache in inductor_cache_dir(). CUDA graphs ("reduce-overhead") exist on CUDA only."""
+    # inductor reads its folder from the environment when it compiles (and writes it there itself); the processes
+    # we start inherit it.
+    if decode or prefill:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
     if device.type == "cuda":  # a CUDA graph replays the whole step, with none of the checks below
         step = {"mode": "reduce-overhead"}
     else:  # Dynamo's guards check each input's shape and stride before a call already; the compiled code's
@@ -553,6 +572,8 @@ def run(args, device: torch.device, shard=None):
             for b, text in enumerate(results[-1].texts):
                 print(f"[{b}] {texts[b % len(texts)]}{text}\n", flush=True)
     stats = summarize(results, model, device, compile_time)
+    if compile_time is not None:
+        stats["inductor_cache_dir"] = str(inductor_cache_dir())
     if draft is not None:
         plain = summarize([run_once(args.max_new_tokens, plain=True)], model, device, None)
         stats["speculation"] = results[-1].speculation

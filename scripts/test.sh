@@ -11,11 +11,13 @@ if ! command -v chromedriver >/dev/null && [ "$(id -u)" -eq 0 ] && command -v ap
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
 fi
-# A persistent inductor cache makes the compiled tests fast after their first run.
+# A persistent inductor cache makes the compiled tests fast after their first run. Each CPU capability compiles
+# into its own subfolder (generate.inductor_cache_dir): the AVX2 pass below never runs the AVX-512 pass's code.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 status=0
 # stdin from /dev/null: a script a test runs without input of its own must not wait on the terminal or CI pipe.
-python -m pytest -q tests "$@" </dev/null || status=$?
+# --durations: the slowest tests, so that CI's time is watched where it is spent.
+python -m pytest -q --durations=25 tests "$@" </dev/null || status=$?
 if [ "$status" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
   exit 5
@@ -32,9 +34,10 @@ fi
 if [ "$status" -eq 0 ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   echo "== the numerics tests again, on the AVX2 code paths (ATEN_CPU_CAPABILITY=avx2)"
   ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-    python -m pytest -q tests -m numerics "$@" </dev/null || status=$?
+    python -m pytest -q --durations=25 tests -m numerics "$@" </dev/null || status=$?
   if [ "$status" -eq 5 ]; then  # the extra arguments selected no numerics test: nothing to repeat
     status=0
   fi
 fi
+echo "== inductor caches, one per CPU capability:" $(cd "$TORCHINDUCTOR_CACHE_DIR" 2>/dev/null && du -sh -- */ | tr '\t' ' ')
 exit "$status"

@@ -1,21 +1,23 @@
 """generate.py as a user runs it: JSON output, batches from a file, streaming, a conversation on a pipe (bad input: test_bad_inputs.py)."""
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, assert_same_greedy
 
 import generate as gen
 from tokenizer import load_tokenizer
 
 
-def run_cli(*args, stdin=None):
+def run_cli(*args, stdin=None, env=None):
     # Bytes, decoded here: text mode would turn a generated "\r" into "\n".
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "generate.py"), *args], input=(stdin or "").encode(), capture_output=True, timeout=300
-    )
+    command = [sys.executable, str(ROOT / "generate.py"), *args]
+    result = subprocess.run(command, input=(stdin or "").encode(), capture_output=True, timeout=300, env=env)
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
     return result
 
@@ -101,3 +103,29 @@ def test_gpt2_continues_piped_text_and_converses(tmp_path, tiny_tokenizer_json):
     assert talk.stdout == first + "\n" + continuation("The quick\n" + first + "\ndef main():", 10) + "\n"
     bad = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], input=b"caf\xe9\n", capture_output=True)
     assert bad.returncode != 0 and bad.stderr.decode().strip().splitlines() == ["error: stdin is not valid UTF-8 (byte 3)"]
+
+
+AVX2_PATHS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX512_CPU = "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.mark.skipif(not AVX512_CPU, reason="needs an AVX-512 CPU (no avx512f in /proc/cpuinfo)")
+def test_compiled_code_follows_the_cpu_capability(tiny_checkpoint, tmp_path):
+    """A user who compiles on an AVX-512 CPU, then runs with ATEN_CPU_CAPABILITY=avx2 and the same
+    TORCHINDUCTOR_CACHE_DIR, gets the greedy tokens of eager again: inductor's cache key leaves out the vector
+    ISA, and code written for 16 floats a vector run as AVX2's 8 computes garbage (or reads out of bounds)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in AVX2_PATHS and k != "TORCHINDUCTOR_CACHE_DIR"}
+    prompt = "The quick brown"
+    args = ["--checkpoint_path", str(tiny_checkpoint), "--prompt", prompt, "--max_new_tokens", "40"]
+    args += ["--temperature", "0", "--compile", "--json"]
+    reports = {}
+    for capability, paths in (("AVX512", {}), ("AVX2", AVX2_PATHS)):  # the second finds the first one's cache warm
+        result = run_cli(*args, env=inherited | paths | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+        assert result.returncode == 0, result.stderr
+        reports[capability] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert reports[capability]["stats"]["inductor_cache_dir"] == str(tmp_path.resolve() / capability)
+    model = gen.load_model(tiny_checkpoint)
+    ids = load_tokenizer(tiny_checkpoint).encode(prompt)
+    expected = gen.generate(model, ids, 40).tokens[0]
+    for report in reports.values():  # compiled and eager may part only at a near-tie, as in test_compile.py
+        assert_same_greedy(model, ids, report["tokens"][0], expected, margin=1e-4)
