@@ -6,6 +6,7 @@ user's file or flag is a ValueError or OSError whose message names it; user_erro
 one line and a non-zero exit in every script, while any other exception (a bug of ours) keeps its
 traceback.
 """
+
 import argparse
 import contextlib
 import os
@@ -64,7 +65,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         default = action.default
-        if not action.help or default is None or default is False or default is argparse.SUPPRESS or default in ("", []):
+        if (
+            not action.help
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default in ("", [])
+        ):
             return action.help
         return f"{action.help} (default: %(default)s)"
 
@@ -106,8 +113,14 @@ def resolve_checkpoint(checkpoint_path: str | Path) -> Path:
         hint = " (run: bash scripts/prepare.sh)" if path == DEFAULT_CHECKPOINT else ""
         raise FileNotFoundError(f"checkpoint not found: {path}{hint}")
     if path.suffix in (".gguf", ".safetensors"):  # a model file of another format: it needs converting first
-        script = "convert_gguf.py --gguf FILE" if path.suffix == ".gguf" else "convert_hf_checkpoint.py --checkpoint_dir FOLDER"
-        raise ValueError(f"{path}: not a checkpoint of ours; convert it first: python scripts/{script} --out_dir checkpoints/NAME")
+        script = (
+            "convert_gguf.py --gguf FILE"
+            if path.suffix == ".gguf"
+            else "convert_hf_checkpoint.py --checkpoint_dir FOLDER"
+        )
+        raise ValueError(
+            f"{path}: not a checkpoint of ours; convert it first: python scripts/{script} --out_dir checkpoints/NAME"
+        )
     return path
 
 
@@ -119,7 +132,9 @@ def load_tensor_file(path: str | Path) -> dict:
         what = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), "objects other than tensors")
         raise ValueError(f"refusing to load {path}: not a plain tensor file ({what})") from None
     except Exception:  # RuntimeError: not a zip file that torch.save wrote (mmap needs one), or a damaged one
-        raise ValueError(f"refusing to load {path}: not a plain tensor file (not written by torch.save, or damaged)") from None
+        raise ValueError(
+            f"refusing to load {path}: not a plain tensor file (not written by torch.save, or damaged)"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: holds a {type(data).__name__}, not a dict of named tensors")
     return data

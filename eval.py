@@ -8,6 +8,7 @@ covers the text's last --max_tokens tokens (GPTQ calibrates on its first ones). 
 --window tokens scores only the tokens the previous window did not, so every scored token sees at
 least window - stride tokens of context.
 """
+
 import argparse
 import json
 import math

@@ -9,6 +9,7 @@ The decode step runs as one static-shape function (optionally torch.compile'd). 
 device inside that step, with its settings passed as tensors, so new values never recompile it. The
 host looks at the tokens only to stream them or, every few steps, to check whether every row is done.
 """
+
 import argparse
 import contextlib
 import functools
@@ -27,15 +28,31 @@ from torch import Tensor
 
 import tp
 from checkpoint import (
-    DEFAULT_CHECKPOINT, DTYPES, HelpFormatter, device_flag, prompt_lines, resolve_checkpoint, user_errors, utf8_text,
-)  # fmt: skip
+    DEFAULT_CHECKPOINT,
+    DTYPES,
+    HelpFormatter,
+    device_flag,
+    prompt_lines,
+    resolve_checkpoint,
+    user_errors,
+    utf8_text,
+)
 from model import Kernels, Transformer, ensure_caches, set_kernels
 from quantize import load_checkpoint_model, prepare_quantized
 from results import Generation, Speculation, TextPieces, check_stop, collect, find_stop, summarize, synchronize
 from sampling import (
-    SETTINGS, SamplerState, SamplingParams, accept_drafts, check_logprobs, check_seed, record_token, refill_noise,
-    sample, sampler_state, step_probs,
-)  # fmt: skip
+    SETTINGS,
+    SamplerState,
+    SamplingParams,
+    accept_drafts,
+    check_logprobs,
+    check_seed,
+    record_token,
+    refill_noise,
+    sample,
+    sampler_state,
+    step_probs,
+)
 from tokenizer import Tokenizer, load_tokenizer
 
 CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
@@ -45,15 +62,32 @@ CHAT_CACHE_LENGTH = 2048  # KV cache positions of an interactive conversation (c
 # ---------------------------------------------------------------- the model steps
 
 
-def prefill(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None,
-            first_row: int = 0, kv_length: int | None = None):  # fmt: skip
+def prefill(
+    model,
+    x: Tensor,
+    input_pos: Tensor,
+    left_pad: Tensor,
+    s: SamplerState,
+    greedy: bool,
+    n_logprobs: int | None,
+    first_row: int = 0,
+    kv_length: int | None = None,
+):
     # x: [B, S] prompts in cache slots input_pos [S] of cache rows first_row.. -> first new token [B, 1] (and its log-probs)
     logits = model(x, input_pos, left_pad, last_only=True, first_row=first_row, kv_length=kv_length)
     return sample(logits[:, -1], s, greedy, n_logprobs)
 
 
-def decode_one_token(model, x: Tensor, input_pos: Tensor, left_pad: Tensor, s: SamplerState, greedy: bool,
-                     n_logprobs: int | None, window: Tensor | None = None):  # fmt: skip
+def decode_one_token(
+    model,
+    x: Tensor,
+    input_pos: Tensor,
+    left_pad: Tensor,
+    s: SamplerState,
+    greedy: bool,
+    n_logprobs: int | None,
+    window: Tensor | None = None,
+):
     # x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and its log-probs). window: a
     # tensor whose length is the model's kv_length (None: the whole cache); marked dynamic (torch._dynamo.
     # mark_dynamic), one compiled graph serves every length, which a plain int argument would not.
@@ -69,7 +103,9 @@ def draft_step(draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: boo
     return torch.argmax(probs / s.noise, dim=-1, keepdim=True), probs
 
 
-def verify_step(model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None) -> Tensor:
+def verify_step(
+    model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None
+) -> Tensor:
     # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
     # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
     kv_length = None if window is None else window.shape[0]
@@ -113,9 +149,13 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
         # own re-check of each cost ~0.9 ms of a 13 ms int8 decode step here (measured with torch.profiler).
         step = {"options": {"size_asserts": False}}
     eager, steps = Steps(), {}
-    if decode:  # static shapes: a batch size or speculation depth met later gets its own graph (model.fuses unrolls rows)
-        steps = {name: torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
-                 for name in ("decode", "draft", "verify")}  # fmt: skip
+    if (
+        decode
+    ):  # static shapes: a batch size or speculation depth met later gets its own graph (model.fuses unrolls rows)
+        steps = {
+            name: torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
+            for name in ("decode", "draft", "verify")
+        }
     if prefill:
         steps["prefill"] = torch.compile(eager.prefill, fullgraph=True, dynamic=True)
     return eager._replace(**steps)
@@ -147,7 +187,9 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Step
     for _ in range(max_new_tokens - 1):
         record_token(s, token)
         refill_noise(s, params, generator)
-        token, logprobs = steps.decode(model, token, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs)
+        token, logprobs = steps.decode(
+            model, token, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs
+        )
         # Copies: CUDA graphs reuse their output buffers on the next call.
         token = token.clone()
         logprobs = None if logprobs is None else tuple(t.clone() for t in logprobs)
@@ -162,16 +204,27 @@ def check_speculation(model, draft, params: SamplingParams, k: int):
     if k < 1:
         raise ValueError(f"speculate_k must be >= 1, got {k}")
     if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})")
+        raise ValueError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})"
+        )
     if params.penalized or params.logprobs is not None:
         raise ValueError("speculative decoding supports temperature, top_k, top_p and min_p, not penalties or logprobs")
 
 
 @torch.no_grad()
 def speculative_generate(
-    model, draft, prompt: list[int], max_new_tokens: int, params: SamplingParams, k: int, *,
-    eos_ids=(), stop=(), tokenizer=None, steps: Steps = Steps(),
-) -> Generation:  # fmt: skip
+    model,
+    draft,
+    prompt: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    k: int,
+    *,
+    eos_ids=(),
+    stop=(),
+    tokenizer=None,
+    steps: Steps = Steps(),
+) -> Generation:
     """Generates from the target with the draft proposing k tokens a round; the output distribution is
     exactly the target's (greedy: exactly its greedy tokens). One host sync per round."""
     check_speculation(model, draft, params, k)
@@ -193,7 +246,9 @@ def speculative_generate(
     out = [int(first)]
     ttft = time.perf_counter() - start
     pos, cur = len(prompt), first.view(1, 1)
-    while len(out) < max_new_tokens and out[-1] not in eos and not (stop and find_stop(tokenizer.decode(out), stop) >= 0):
+    while (
+        len(out) < max_new_tokens and out[-1] not in eos and not (stop and find_stop(tokenizer.decode(out), stop) >= 0)
+    ):
         drafted, probs, token = [], [], cur
         for i in range(k):
             refill_noise(s_draft, params, generator)
@@ -202,7 +257,13 @@ def speculative_generate(
             drafted.append(token)
             probs.append(p.clone())
         drafted = torch.cat(drafted, dim=1)  # [1, k]
-        q = steps.verify(model, torch.cat([cur, drafted], dim=1), torch.arange(pos, pos + k + 1, device=device), s_target, params.greedy)
+        q = steps.verify(
+            model,
+            torch.cat([cur, drafted], dim=1),
+            torch.arange(pos, pos + k + 1, device=device),
+            s_target,
+            params.greedy,
+        )
         uniforms = torch.rand(1, k, device=device, generator=generator)
         noise = torch.empty(1, q.shape[-1], device=device).exponential_(generator=generator)
         kept, next_token = accept_drafts(drafted, torch.stack(probs, dim=1), q, uniforms, noise)
@@ -230,7 +291,11 @@ def check_prompts(prompts) -> list[list[int]]:
         prompts = prompts.tolist()
     if len(prompts) == 0:
         raise ValueError("the prompt list is empty")
-    rows = [prompts] if isinstance(prompts[0], int) else [list(p.tolist() if isinstance(p, Tensor) else p) for p in prompts]
+    rows = (
+        [prompts]
+        if isinstance(prompts[0], int)
+        else [list(p.tolist() if isinstance(p, Tensor) else p) for p in prompts]
+    )
     if any(len(row) == 0 for row in rows):
         raise ValueError("a prompt is empty and the tokenizer adds no BOS token to start from")
     return rows
@@ -238,11 +303,20 @@ def check_prompts(prompts) -> list[list[int]]:
 
 @torch.no_grad()
 def generate(
-    model: Transformer, prompts, max_new_tokens: int,
-    *, sampling: SamplingParams = SamplingParams(), eos_ids=(), stop=(), tokenizer: Tokenizer | None = None,
-    batch_size: int = 1, pad_id: int = 0, draft_model: Transformer | None = None, speculate_k: int = 4,
+    model: Transformer,
+    prompts,
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams = SamplingParams(),
+    eos_ids=(),
+    stop=(),
+    tokenizer: Tokenizer | None = None,
+    batch_size: int = 1,
+    pad_id: int = 0,
+    draft_model: Transformer | None = None,
+    speculate_k: int = 4,
     steps: Steps = Steps(),
-) -> Generation:  # fmt: skip
+) -> Generation:
     """Continues each prompt (token ids; one prompt or a list, each repeated batch_size times) in one batch.
 
     Every row stops at its first EOS or stop string (matched on decoded text, which needs tokenizer)
@@ -253,8 +327,18 @@ def generate(
     if draft_model is not None:
         if len(rows) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time, got a batch of {len(rows)}")
-        return speculative_generate(model, draft_model, rows[0], max_new_tokens, sampling, speculate_k,
-                                    eos_ids=eos_ids, stop=stop, tokenizer=tokenizer, steps=steps)  # fmt: skip
+        return speculative_generate(
+            model,
+            draft_model,
+            rows[0],
+            max_new_tokens,
+            sampling,
+            speculate_k,
+            eos_ids=eos_ids,
+            stop=stop,
+            tokenizer=tokenizer,
+            steps=steps,
+        )
     device = model.tok_embeddings.weight.device
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     produced = token_steps(model, rows, max_new_tokens, sampling, steps, pad_id=pad_id)
@@ -288,8 +372,18 @@ class Stream:
     The pieces join to exactly the final text: held back are an incomplete character and any tail that
     could begin a stop string. Once the iteration ends, .result is the Generation; run() does both."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, prompt, max_new_tokens: int, *,
-                 sampling: SamplingParams = SamplingParams(), stop=(), start_pos: int = 0, steps: Steps = Steps()):  # fmt: skip
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        prompt,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams = SamplingParams(),
+        stop=(),
+        start_pos: int = 0,
+        steps: Steps = Steps(),
+    ):
         (self.ids,) = check_prompts([tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)])
         self.model, self.tokenizer, self.stop = model, tokenizer, check_stop(stop, tokenizer)
         self.produced = token_steps(model, [self.ids], max_new_tokens, sampling, steps, start_pos=start_pos)
@@ -315,7 +409,9 @@ class Stream:
                 yield piece
         synchronize(self.model.tok_embeddings.weight.device)
         decode_time = time.perf_counter() - start - ttft
-        self.result = collect([raw], logprobs, [self.ids], self.tokenizer.eos_ids, self.stop, self.tokenizer, ttft, decode_time)
+        self.result = collect(
+            [raw], logprobs, [self.ids], self.tokenizer.eos_ids, self.stop, self.tokenizer, ttft, decode_time
+        )
 
     def run(self, on_piece: Callable[[str], None] | None = None) -> Generation:
         """Generates to the end, passing each piece to on_piece; returns the Generation."""
@@ -340,14 +436,26 @@ class Chat:
     joined by newlines. When a turn would not fit the cache, the oldest turns are dropped (the system
     message stays) and dropped_turns counts them."""
 
-    def __init__(self, model, tokenizer, *, system=None, max_new_tokens=256, cache_length=CHAT_CACHE_LENGTH,
-                 sampling: SamplingParams = SamplingParams(), stop=(), steps: Steps = Steps()):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        system=None,
+        max_new_tokens=256,
+        cache_length=CHAT_CACHE_LENGTH,
+        sampling: SamplingParams = SamplingParams(),
+        stop=(),
+        steps: Steps = Steps(),
+    ):
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
         self.sampling, self.stop, self.steps = sampling, stop, steps
         cache_length = min(cache_length, model.config.block_size)
         if max_new_tokens >= cache_length:
-            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a message in the conversation's "
-                             f"{cache_length}-position cache")  # fmt: skip
+            raise ValueError(
+                f"max_new_tokens {max_new_tokens} leaves no room for a message in the conversation's "
+                f"{cache_length}-position cache"
+            )
         model.setup_caches(1, cache_length)
         self.system = [{"role": "system", "content": system}] if system else []
         self.reset()
@@ -376,8 +484,16 @@ class Chat:
         while common < min(len(ids) - 1, len(self.cached)) and ids[common] == self.cached[common]:
             common += 1
         self.last_prefill = len(ids) - common
-        result = Stream(self.model, self.tokenizer, ids[common:], self.max_new_tokens, sampling=self.sampling,
-                        stop=self.stop, start_pos=common, steps=self.steps).run(on_piece)  # fmt: skip
+        result = Stream(
+            self.model,
+            self.tokenizer,
+            ids[common:],
+            self.max_new_tokens,
+            sampling=self.sampling,
+            stop=self.stop,
+            start_pos=common,
+            steps=self.steps,
+        ).run(on_piece)
         # Every produced token but the last was fed back, so its keys and values are in the cache.
         self.cached = ids + result.raw_tokens[0][:-1]
         self.messages.append({"role": "assistant", "content": result.texts[0]})
@@ -387,8 +503,13 @@ class Chat:
 # ---------------------------------------------------------------- loading and figures
 
 
-def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               shard=None, kernels: Kernels = Kernels()):  # fmt: skip
+def load_model(
+    checkpoint_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    shard=None,
+    kernels: Kernels = Kernels(),
+):
     """Builds the model on the meta device and assigns the memory-mapped weights: no second copy.
     With a tensor-parallel shard (tp.Shard), keeps this rank's slice only, before moving it to the device.
     kernels: how a CPU runs the linear layers (Kernels.choose picks the fastest for a run)."""
@@ -409,9 +530,15 @@ def load_model(checkpoint_path: str | Path, device: str | torch.device = "cpu", 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     arg = p.add_argument
-    arg("--prompt", action="append", type=utf8_text,
-        help='text to continue; several --prompt make one batch; none: the text piped to stdin, else "Hello, my name is"')  # fmt: skip
-    arg("--prompts_file", type=prompt_lines, help="a text file, one prompt a line, all in one batch (with any --prompt)")
+    arg(
+        "--prompt",
+        action="append",
+        type=utf8_text,
+        help='text to continue; several --prompt make one batch; none: the text piped to stdin, else "Hello, my name is"',
+    )
+    arg(
+        "--prompts_file", type=prompt_lines, help="a text file, one prompt a line, all in one batch (with any --prompt)"
+    )
     arg("--interactive", action="store_true", help="a conversation on stdin (chat template if any)")
     arg("--system", default=None, type=utf8_text, help="system message for --interactive")
     arg("--num_samples", type=int, default=1, help="number of runs")
@@ -430,18 +557,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth, or its folder")
     arg("--draft_checkpoint_path", type=Path, default=None, help="draft model: speculative decoding")
     arg("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
-    arg("--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu, cuda, cuda:1, ...")  # fmt: skip
+    arg(
+        "--device",
+        type=device_flag,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda, cuda:1, ...",
+    )
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     arg("--compile", action="store_true", help="torch.compile the decode step")
     arg("--compile_prefill", action="store_true", help="torch.compile the prefill too (dynamic shapes)")
-    arg("--kernels", choices=("auto", "fused", "library"), default="auto",
+    arg(
+        "--kernels",
+        choices=("auto", "fused", "library"),
+        default="auto",
         help="CPU one-row products: auto (the fastest measured for this CPU and --compile), fused (float32 "
-             "multiply-and-sum, for compiled steps) or library (BLAS, ATen's int8/int4 kernels)")  # fmt: skip
+        "multiply-and-sum, for compiled steps) or library (BLAS, ATen's int8/int4 kernels)",
+    )
     arg("--profile", type=Path, default=None, help="write a torch.profiler trace (.json) of the last run")
     arg("--json", action="store_true", help="print one JSON object of outputs and figures as last line")
-    arg("--tp_timeout_s", type=float, default=tp.DEFAULT_TIMEOUT_S,
-        help="under torchrun: seconds a rank waits for the others before it gives up")  # fmt: skip
+    arg(
+        "--tp_timeout_s",
+        type=float,
+        default=tp.DEFAULT_TIMEOUT_S,
+        help="under torchrun: seconds a rank waits for the others before it gives up",
+    )
     args = p.parse_args(argv)
     for name in ("num_samples", "max_new_tokens", "batch_size", "speculate_k"):
         if getattr(args, name) < 1:
@@ -497,7 +636,10 @@ def chat_loop(chat: Chat, read_line: Callable[[], bytes]):
             continue
         print(flush=True)
         if chat.dropped_turns > dropped:
-            print(f"[the conversation outgrew the cache: dropped its {chat.dropped_turns - dropped} oldest turn(s)]", file=sys.stderr)
+            print(
+                f"[the conversation outgrew the cache: dropped its {chat.dropped_turns - dropped} oldest turn(s)]",
+                file=sys.stderr,
+            )
 
 
 def load_models(args, device: torch.device, shard) -> tuple[Transformer, Tokenizer, Transformer | None]:
@@ -534,8 +676,15 @@ def run(args, device: torch.device, shard=None):
     if args.interactive:
         if draft is not None:
             raise ValueError("--interactive does not take a draft model")
-        chat = Chat(model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                    stop=args.stop, steps=steps)  # fmt: skip
+        chat = Chat(
+            model,
+            tokenizer,
+            system=args.system,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            stop=args.stop,
+            steps=steps,
+        )
         return chat_loop(chat, tp.line_reader(shard))
 
     texts = (args.prompt or []) + (args.prompts_file or []) or [piped or "Hello, my name is"]
@@ -546,16 +695,30 @@ def run(args, device: torch.device, shard=None):
 
     def run_once(max_new_tokens, on_piece=None, plain=False):
         if single and (draft is None or plain):
-            return Stream(model, tokenizer, prompts[0], max_new_tokens, sampling=sampling, stop=args.stop, steps=steps).run(on_piece)
-        return generate(model, prompts, max_new_tokens, sampling=sampling, stop=args.stop, batch_size=args.batch_size,
-                        tokenizer=tokenizer, eos_ids=tokenizer.eos_ids, draft_model=draft, speculate_k=args.speculate_k,
-                        steps=steps)  # fmt: skip
+            return Stream(
+                model, tokenizer, prompts[0], max_new_tokens, sampling=sampling, stop=args.stop, steps=steps
+            ).run(on_piece)
+        return generate(
+            model,
+            prompts,
+            max_new_tokens,
+            sampling=sampling,
+            stop=args.stop,
+            batch_size=args.batch_size,
+            tokenizer=tokenizer,
+            eos_ids=tokenizer.eos_ids,
+            draft_model=draft,
+            speculate_k=args.speculate_k,
+            steps=steps,
+        )
 
     # Caches sized once for every run below (speculation writes k + 1 positions ahead), so nothing recompiles.
     ahead = args.speculate_k + 1 if draft is not None else 0
     for m in (model, draft) if draft is not None else (model,):
         ensure_caches(m, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens + ahead)
-    compile_time = warm_up(run_once, args.max_new_tokens, draft is not None) if args.compile or args.compile_prefill else None
+    compile_time = (
+        warm_up(run_once, args.max_new_tokens, draft is not None) if args.compile or args.compile_prefill else None
+    )
 
     results = []
     for i in range(args.num_samples):

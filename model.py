@@ -7,6 +7,7 @@ The rotary embedding works on interleaved pairs (x0, x1), (x2, x3), ... as in Me
 Llama code and in GGUF files; Hugging Face checkpoints store q/k rows in a "half-split" order,
 which scripts/convert_hf_checkpoint.py permutes into this one.
 """
+
 import functools
 import json
 import math
@@ -71,16 +72,34 @@ class ModelArgs:
             if self.n_head > 0 and self.dim % self.n_head:
                 raise ValueError(f"dim {self.dim} is not divisible by n_head {self.n_head}; give head_dim")
             self.head_dim = self.dim // max(self.n_head, 1)
-        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
+        for name in (
+            "dim",
+            "n_layer",
+            "n_head",
+            "n_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "block_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("rope_base", "norm_eps", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
-                     "rope_local_base"):  # fmt: skip
+        for name in (
+            "rope_base",
+            "norm_eps",
+            "query_pre_attn_scalar",
+            "attn_logit_softcap",
+            "final_logit_softcap",
+            "rope_local_base",
+        ):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        choices = {"norm_type": ("rmsnorm", "gemma_rmsnorm", "layernorm"), "hidden_act": tuple(ACTIVATIONS),
-                   "position_embedding": ("rope", "learned")}  # fmt: skip
+        choices = {
+            "norm_type": ("rmsnorm", "gemma_rmsnorm", "layernorm"),
+            "hidden_act": tuple(ACTIVATIONS),
+            "position_embedding": ("rope", "learned"),
+        }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -89,7 +108,9 @@ class ModelArgs:
         if self.layer_types is None:
             self.layer_types = [LAYER_TYPES[self.sliding_window is not None]] * self.n_layer
         if len(self.layer_types) != self.n_layer or not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ValueError(f"layer_types must list {self.n_layer} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}")
+            raise ValueError(
+                f"layer_types must list {self.n_layer} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}"
+            )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
         if self.n_experts < 0:
@@ -192,8 +213,12 @@ class Kernels:
 
     def describe(self) -> dict:
         dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
-        return {"cpu": torch.backends.cpu.get_cpu_capability(), "float_matvec": self.float_matvec,
-                "quant_matvec": self.quant_matvec, **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()}}
+        return {
+            "cpu": torch.backends.cpu.get_cpu_capability(),
+            "float_matvec": self.float_matvec,
+            "quant_matvec": self.quant_matvec,
+            **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
+        }
 
 
 def model_size_bytes(model: nn.Module) -> int:
@@ -280,8 +305,10 @@ class Transformer(nn.Module):
         size = 2 * heads * max_batch_size * max_seq_length * c.head_dim * dtype.itemsize
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.type == "cpu" else None
         if memory is not None and size > memory:  # the allocation would not fail cleanly: the OOM killer ends us
-            raise ValueError(f"a KV cache of {max_batch_size} rows x {max_seq_length} positions needs "
-                             f"{size / 1e9:.1f} GB, more than this machine's {memory / 1e9:.1f} GB")  # fmt: skip
+            raise ValueError(
+                f"a KV cache of {max_batch_size} rows x {max_seq_length} positions needs "
+                f"{size / 1e9:.1f} GB, more than this machine's {memory / 1e9:.1f} GB"
+            )
         try:
             for layer in self.layers:
                 attn = layer.attention
@@ -289,8 +316,10 @@ class Transformer(nn.Module):
                     attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype)
         except torch.OutOfMemoryError:
             self.max_batch_size = self.max_seq_length = -1  # the layers' caches are mixed now: set up anew next time
-            raise ValueError(f"a KV cache of {max_batch_size} rows x {max_seq_length} positions ({size / 1e9:.1f} GB) "
-                             f"does not fit in the free memory of {device}") from None  # fmt: skip
+            raise ValueError(
+                f"a KV cache of {max_batch_size} rows x {max_seq_length} positions ({size / 1e9:.1f} GB) "
+                f"does not fit in the free memory of {device}"
+            ) from None
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
         if c.position_embedding == "rope":
             freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
@@ -299,8 +328,15 @@ class Transformer(nn.Module):
                 local = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_local_base, None)
                 self.register_buffer("local_freqs_cis", local.to(device), persistent=False)
 
-    def forward(self, idx: Tensor, input_pos: Tensor, left_pad: Tensor | None = None, last_only: bool = False,
-                first_row: int = 0, kv_length: int | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        idx: Tensor,
+        input_pos: Tensor,
+        left_pad: Tensor | None = None,
+        last_only: bool = False,
+        first_row: int = 0,
+        kv_length: int | None = None,
+    ) -> Tensor:
         # idx: [B, S] token ids in cache slots input_pos, [S] for every row or [B, S] per row; returns logits
         # [B, S, vocab] in float32. left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens
         # start at position 0. first_row: the rows use cache rows first_row.. (a server prefills one request
@@ -313,7 +349,9 @@ class Transformer(nn.Module):
         assert self.max_seq_length > 0, "call setup_caches() first"
         bsz = idx.shape[0]
         if first_row + bsz > self.max_batch_size:
-            raise ValueError(f"batch of {bsz} rows from cache row {first_row} is larger than the cache, set up for {self.max_batch_size}")
+            raise ValueError(
+                f"batch of {bsz} rows from cache row {first_row} is larger than the cache, set up for {self.max_batch_size}"
+            )
         if kv_length is not None:  # tells the compiler too, so that slicing the cache to it keeps it symbolic
             torch._check(kv_length <= self.max_seq_length)
         positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, kv_length)
@@ -336,8 +374,9 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.dim**0.5, dtype=x.dtype)
         return x
 
-    def attention_inputs(self, input_pos: Tensor, left_pad: Tensor | None, bsz: int,
-                         kv_length: int | None = None) -> tuple[Tensor, dict]:  # fmt: skip
+    def attention_inputs(
+        self, input_pos: Tensor, left_pad: Tensor | None, bsz: int, kv_length: int | None = None
+    ) -> tuple[Tensor, dict]:
         """Each row's positions [B, S] (0 at its first real token), and for each kind of layer its rotary
         angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention mask [B, 1, S, kv_length]."""
         if left_pad is None:
@@ -352,7 +391,11 @@ class Transformer(nn.Module):
         positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
         inputs = {}
         for kind in set(self.config.layer_types):
-            seen = causal if kind == "full_attention" else causal & (input_pos[..., None] - slots < self.config.sliding_window)
+            seen = (
+                causal
+                if kind == "full_attention"
+                else causal & (input_pos[..., None] - slots < self.config.sliding_window)
+            )
             mask = (seen & not_padding[:, None, :]) | itself  # [B, S, max_seq]
             freqs = None
             if self.config.position_embedding == "rope":
@@ -376,7 +419,9 @@ class TransformerBlock(nn.Module):
     # inputs' shapes and attributes (regional compilation; eagerly a no-op). SmolLM2's 30 layers on 2 AMD cores:
     # a first-ever compile of the decode step in 17 s instead of 81, a cached one in 5 s instead of 16, same speed.
     @torch.compiler.nested_compile_region
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0) -> Tensor:
+    def forward(
+        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0
+    ) -> Tensor:
         h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, freqs_cis, mask, first_row))
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
@@ -396,7 +441,9 @@ class Attention(nn.Module):
         self.logit_softcap = config.attn_logit_softcap
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0) -> Tensor:
+    def forward(
+        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0
+    ) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -413,13 +460,16 @@ class Attention(nn.Module):
         if seqlen == 1 or self.logit_softcap is not None:
             y = grouped_attention(q, k, v, mask, self.scale, self.logit_softcap)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.n_head != self.n_kv_heads)  # fmt: skip
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_head != self.n_kv_heads
+            )
         y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
         return self.wo(y)
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, logit_softcap: float | None) -> Tensor:
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, logit_softcap: float | None
+) -> Tensor:
     """softmax(q k^T * scale) v in float32. q [B, H, S, D], k and v [B, H_kv, T, D], mask [B, 1, S, T]; the
     query heads that share a KV head (head i uses KV head i // group) become rows of one product."""
     bsz, n_head, seqlen, head_dim = q.shape
@@ -482,8 +532,9 @@ def fuses(x: Tensor) -> bool:
     return x.device.type == "cpu" and (rows == 1 or rows <= FUSED_ROWS and torch.compiler.is_compiling())
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None,
-           fused: bool = False) -> Tensor:  # fmt: skip
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None, fused: bool = False
+) -> Tensor:
     """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. fused (for a few rows on a
     CPU, see fuses): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights."""
     if fused and fuses(x):

@@ -12,6 +12,7 @@ it too much quality) and the embedding stays in floating point (a decode step re
 The int4 file stores a device-neutral packing (two 4-bit values a byte); the layout of the int4
 kernels (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU) is made at load time.
 """
+
 import argparse
 from pathlib import Path
 
@@ -95,7 +96,9 @@ class Int8Linear(nn.Module):
             # the weight widened for the call is faster from ~16 rows: prefill and large batches.
             y = linear(x2d.to(self.kernels.gemm_dtype), self.weight, None, self.scales)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(x2d.to(self.kernels.kernel_activations), self.weight, self.kernel_scales)
+            y = torch.ops.aten._weight_int8pack_mm(
+                x2d.to(self.kernels.kernel_activations), self.weight, self.kernel_scales
+            )
         y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -124,7 +127,9 @@ class Int4Linear(nn.Module):
         """Converts the stored packing to the layout of this device's int4 kernel, and to the halves layout
         when one-row products are fused (kernels.quant_matvec) and each half of the inputs holds whole groups."""
         cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
-        self.kernel_scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16 if cuda else self.kernels.kernel_activations)
+        self.kernel_scales_and_zeros = self.scales_and_zeros.to(
+            torch.bfloat16 if cuda else self.kernels.kernel_activations
+        )
         if cuda:
             # The CUDA layout tiles K by 16 x innerKTiles (8, 4 or 2): take the largest that divides it.
             inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
@@ -201,8 +206,14 @@ def swap_in_quantized_modules(model, fmt: dict):
 
 
 def quantization_format(kind: str, groupsize: int | None, method: str = "rtn") -> dict:
-    return {"version": FORMAT_VERSION, "mode": kind, "groupsize": None if kind == "int8" else groupsize,
-            "method": method, "output": "int8", "embedding": "float"}  # fmt: skip
+    return {
+        "version": FORMAT_VERSION,
+        "mode": kind,
+        "groupsize": None if kind == "int8" else groupsize,
+        "method": method,
+        "output": "int8",
+        "embedding": "float",
+    }
 
 
 def quantize_model(model, kind: str, groupsize: int = 32, kernels: Kernels = Kernels()):
@@ -405,7 +416,9 @@ def quantize_checkpoint(
     gptq_results = None
     if mode == "int4-gptq":
         text = calibration_text if calibration_text is not None else default_text()
-        tokens = calibration_tokens(load_tokenizer(checkpoint_path.parent), text, calibration_samples, calibration_seq_length)
+        tokens = calibration_tokens(
+            load_tokenizer(checkpoint_path.parent), text, calibration_samples, calibration_seq_length
+        )
         gptq_results = gptq_quantize_blocks(model, tokens, groupsize, act_order)
     kind = "int8" if mode == "int8" else "int4"
     fmt = quantization_format(kind, groupsize, "gptq" if mode == "int4-gptq" else "rtn")
@@ -424,9 +437,13 @@ def default_text() -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="the floating-point model.pth")
-    parser.add_argument("--mode", required=True, choices=MODES,
-                        help="int8: per-channel weights; int4: per-group (--groupsize) by rounding; int4-gptq: "
-                             "per-group by GPTQ on calibration text")  # fmt: skip
+    parser.add_argument(
+        "--mode",
+        required=True,
+        choices=MODES,
+        help="int8: per-channel weights; int4: per-group (--groupsize) by rounding; int4-gptq: "
+        "per-group by GPTQ on calibration text",
+    )
     parser.add_argument("--groupsize", type=int, default=32, help="int4 group size: 32, 64, 128 or 256")
     parser.add_argument("--calibration_file", type=Path, help="GPTQ calibration text (default: Python's pydoc topics)")
     parser.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")
@@ -438,9 +455,14 @@ def main(argv=None):
     with user_errors():
         text = read_text(opts.calibration_file) if opts.calibration_file else None
         out = quantize_checkpoint(
-            opts.checkpoint_path, opts.mode, opts.groupsize, text, opts.calibration_samples,
-            opts.calibration_seq_length, opts.act_order,
-        )  # fmt: skip
+            opts.checkpoint_path,
+            opts.mode,
+            opts.groupsize,
+            text,
+            opts.calibration_samples,
+            opts.calibration_seq_length,
+            opts.act_order,
+        )
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 
 

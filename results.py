@@ -1,6 +1,7 @@
 """What a generation returns, and the figures of a run: each row's tokens and text cut at its first EOS or
 stop string (stop strings are matched on decoded text), finish reasons, log-probabilities, timings.
 """
+
 import resource
 from dataclasses import dataclass, field
 
@@ -174,5 +175,3 @@ def summarize(runs: list[Generation], model: Transformer, device: torch.device, 
         "compile_time_s": compile_time,
         "kernels": model.kernels.describe() if device.type == "cpu" else None,
     }
-
-

@@ -5,6 +5,7 @@ The settings travel as tensors (SamplerState), so new values never recompile a c
 draws are made outside the step (refill_noise), so that a per-request torch.Generator can be used;
 drawing argmax(p_i / E_i) with E_i ~ Exp(1) samples from p without torch.multinomial's host sync.
 """
+
 import math
 from dataclasses import dataclass
 from typing import NamedTuple

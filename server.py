@@ -13,6 +13,7 @@ proposes --speculate_k tokens per slot, the model verifies them in one pass, and
 acceptance rule keeps (the model's own distribution; at temperature 0, its own greedy tokens). A batch with a
 request the rule does not cover (penalties, log-probs) decodes one token per step meanwhile.
 """
+
 import argparse
 import asyncio
 import hmac
@@ -47,9 +48,16 @@ WINDOW_STEP = 128
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (OpenAI's limit); a decode step computes this many for all rows
 ROLES = ("system", "developer", "user", "assistant")
 # Fields this server cannot honour, with the values that ask for nothing: anything else is refused, not ignored.
-UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-               "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1),
-               "response_format": (None, {"type": "text"})}  # fmt: skip
+UNSUPPORTED = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "response_format": (None, {"type": "text"}),
+}
 CHAT_PAGE = Path(__file__).resolve().parent / "chat.html"
 log = logging.getLogger("server")
 
@@ -92,8 +100,17 @@ def speculable(c: Choice) -> bool:
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, max_batch_size: int, max_seq_length: int, steps, max_queue: int,
-                 draft=None, speculate_k: int = 4):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer: Tokenizer,
+        max_batch_size: int,
+        max_seq_length: int,
+        steps,
+        max_queue: int,
+        draft=None,
+        speculate_k: int = 4,
+    ):
         self.model, self.tokenizer, self.steps, self.draft = model, tokenizer, steps, draft
         self.device = model.tok_embeddings.weight.device
         self.k = speculate_k if draft is not None else 0
@@ -106,8 +123,10 @@ class Engine:
         self.idle_position = self.horizon - self.k
         self.context = self.idle_position - (draft is not None)
         if self.context < 2:
-            raise ValueError(f"--max_seq_length {max_seq_length} leaves no room for a prompt and a reply"
-                             + (f" beside speculate_k {self.k}" if draft is not None else ""))  # fmt: skip
+            raise ValueError(
+                f"--max_seq_length {max_seq_length} leaves no room for a prompt and a reply"
+                + (f" beside speculate_k {self.k}" if draft is not None else "")
+            )
         self.slots: list[Choice | None] = [None] * max_batch_size
         self.cached: list[list[int]] = [[] for _ in range(max_batch_size)]  # tokens whose keys/values a row holds
         self.state = row_sampler_state(max_batch_size, model.config.vocab_size, self.device)
@@ -133,12 +152,25 @@ class Engine:
             state, positions = self.state_rows(slice(0, n)), self.positions(n)
             for greedy in (True, False):
                 start = time.perf_counter()
-                self.steps.decode(self.model, self.tokens[:n], positions, self.no_pad[:n], state,
-                                  greedy=greedy, n_logprobs=None, window=self.window(0))  # fmt: skip
+                self.steps.decode(
+                    self.model,
+                    self.tokens[:n],
+                    positions,
+                    self.no_pad[:n],
+                    state,
+                    greedy=greedy,
+                    n_logprobs=None,
+                    window=self.window(0),
+                )
                 if self.draft is not None:
                     self.draft_and_verify(n, [], state, positions, greedy, self.window(0))
-                log.info("%s of %d rows, %s: ready in %.1f s", "speculative round" if self.draft else "decode step",
-                         n, "greedy" if greedy else "sampled", time.perf_counter() - start)  # fmt: skip
+                log.info(
+                    "%s of %d rows, %s: ready in %.1f s",
+                    "speculative round" if self.draft else "decode step",
+                    n,
+                    "greedy" if greedy else "sampled",
+                    time.perf_counter() - start,
+                )
 
     def state_rows(self, rows: slice) -> SamplerState:
         return SamplerState(*(t[rows] for t in self.state))
@@ -146,8 +178,10 @@ class Engine:
     def positions(self, n: int) -> torch.Tensor:
         """Rows 0..n-1's positions to feed next [n, 1]: a busy row's next after the tokens it holds; an idle
         row's the idle position."""
-        return torch.tensor([[len(self.cached[i]) if self.slots[i] is not None else self.idle_position]
-                             for i in range(n)], device=self.device)  # fmt: skip
+        return torch.tensor(
+            [[len(self.cached[i]) if self.slots[i] is not None else self.idle_position] for i in range(n)],
+            device=self.device,
+        )
 
     def batch_size(self, busy: list[int]) -> int:
         return next(n for n in self.batch_sizes if n > max(busy))
@@ -164,7 +198,9 @@ class Engine:
 
     def submit(self, choices: list[Choice]):
         if self.waiting.maxsize - self.waiting.qsize() < len(choices):
-            raise ApiError("the server is busy: its queue of waiting requests is full", status=429, kind="rate_limit_error")
+            raise ApiError(
+                "the server is busy: its queue of waiting requests is full", status=429, kind="rate_limit_error"
+            )
         for c in choices:  # only this event loop's thread puts, so the room checked above is still there
             self.waiting.put_nowait(c)
 
@@ -222,13 +258,27 @@ class Engine:
         x = torch.tensor([choice.ids[start:]], device=self.device)
         positions = torch.arange(start, len(choice.ids), device=self.device)
         row_state = self.state_rows(slice(row, row + 1))
-        token, logprobs = prefill(self.model, x, positions, self.no_pad[:1], row_state, choice.params.greedy,
-                                  choice.top_logprobs, first_row=row, kv_length=len(choice.ids))  # fmt: skip
+        token, logprobs = prefill(
+            self.model,
+            x,
+            positions,
+            self.no_pad[:1],
+            row_state,
+            choice.params.greedy,
+            choice.top_logprobs,
+            first_row=row,
+            kv_length=len(choice.ids),
+        )
         if self.draft is not None:  # from one position earlier: the draft may lack the last one the slot held
             since = max(start - 1, 0)
-            self.draft(torch.tensor([choice.ids[since:]], device=self.device),
-                       torch.arange(since, len(choice.ids), device=self.device), self.no_pad[:1], last_only=True,
-                       first_row=row, kv_length=len(choice.ids))  # fmt: skip
+            self.draft(
+                torch.tensor([choice.ids[since:]], device=self.device),
+                torch.arange(since, len(choice.ids), device=self.device),
+                self.no_pad[:1],
+                last_only=True,
+                first_row=row,
+                kv_length=len(choice.ids),
+            )
         self.cached[row] = list(choice.ids)
         self.tokens[row] = token[0]
         self.last[row] = int(token)
@@ -248,8 +298,16 @@ class Engine:
         greedy = all(self.slots[i].params.greedy for i in busy)
         n_logprobs = MAX_TOP_LOGPROBS if any(self.slots[i].top_logprobs is not None for i in busy) else None
         window = self.window(max(len(self.cached[i]) for i in busy))  # a row feeds position len(cached)
-        token, logprobs = self.steps.decode(self.model, self.tokens[:n], positions, self.no_pad[:n], state,
-                                            greedy=greedy, n_logprobs=n_logprobs, window=window)  # fmt: skip
+        token, logprobs = self.steps.decode(
+            self.model,
+            self.tokens[:n],
+            positions,
+            self.no_pad[:n],
+            state,
+            greedy=greedy,
+            n_logprobs=n_logprobs,
+            window=window,
+        )
         if self.draft is not None:  # keeps up: a speculative round expects it to lack one position at most
             self.draft(*self.draft_inputs(n, positions), self.no_pad[:n], last_only=True, kv_length=window.shape[0])
         self.tokens[:n] = token  # a copy: CUDA graphs reuse token's buffer on the next call
@@ -263,11 +321,14 @@ class Engine:
     def draft_inputs(self, n: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..n-1's previous and current tokens [n, 2] and their positions: what the draft reads next, as
         its cache may lack the previous one (the model's verification kept all the drafted tokens)."""
-        previous = torch.tensor([[self.cached[i][-1] if self.slots[i] is not None else 0] for i in range(n)],
-                                device=self.device)  # fmt: skip
+        previous = torch.tensor(
+            [[self.cached[i][-1] if self.slots[i] is not None else 0] for i in range(n)], device=self.device
+        )
         return torch.cat([previous, self.tokens[:n]], dim=1), torch.cat([positions - 1, positions], dim=1)
 
-    def draft_and_verify(self, n: int, busy: list[int], state, positions: torch.Tensor, greedy: bool, window: torch.Tensor):
+    def draft_and_verify(
+        self, n: int, busy: list[int], state, positions: torch.Tensor, greedy: bool, window: torch.Tensor
+    ):
         """Rows 0..n-1: the draft drafts k tokens, the model reads the current and drafted ones in one pass.
         Returns the drafted tokens [n, k], the draft's distributions [n, k, V] and the model's [n, k + 1, V]."""
         token, at = self.draft_inputs(n, positions)
@@ -408,8 +469,10 @@ def chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
         if not isinstance(m.get("content"), str):
             raise ApiError(f"messages[{i}].content must be a string", f"messages[{i}].content")
     # A developer message is what newer OpenAI clients send in place of a system one.
-    return encode_conversation(tokenizer, [{"role": "system" if m["role"] == "developer" else m["role"],
-                                            "content": m["content"]} for m in messages])  # fmt: skip
+    return encode_conversation(
+        tokenizer,
+        [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages],
+    )
 
 
 def completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
@@ -464,14 +527,19 @@ def parse_job(body, chat: bool, app_state) -> Job:
         top = integer(body, "logprobs", None, 0, 5)
     longest = max(map(len, prompts))
     if longest >= engine.context:
-        raise ApiError(f"the prompt ({longest} tokens) does not fit the context ({engine.context} tokens)",
-                       "messages" if chat else "prompt")  # fmt: skip
+        raise ApiError(
+            f"the prompt ({longest} tokens) does not fit the context ({engine.context} tokens)",
+            "messages" if chat else "prompt",
+        )
     room = engine.context - longest
     field_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = integer(body, field_name, room, low=1)
     if max_tokens > room:
-        raise ApiError(f"{field_name} {max_tokens} plus the prompt ({longest} tokens) exceeds the context "
-                       f"({engine.context} tokens)", field_name)  # fmt: skip
+        raise ApiError(
+            f"{field_name} {max_tokens} plus the prompt ({longest} tokens) exceeds the context "
+            f"({engine.context} tokens)",
+            field_name,
+        )
     n = integer(body, "n", 1, 1, len(engine.slots))
     if len(prompts) * n > len(engine.slots):
         raise ApiError(f"{len(prompts)} prompts x n = {n} choices exceed the {len(engine.slots)} slots", "n")
@@ -482,8 +550,18 @@ def parse_job(body, chat: bool, app_state) -> Job:
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
     echo = body.get("echo", False) is True and not chat
-    return Job(chat, prompts, n, max_tokens, sampling_settings(body), stop_strings(body), top, stream,
-               options.get("include_usage") is True, echo)  # fmt: skip
+    return Job(
+        chat,
+        prompts,
+        n,
+        max_tokens,
+        sampling_settings(body),
+        stop_strings(body),
+        top,
+        stream,
+        options.get("include_usage") is True,
+        echo,
+    )
 
 
 # ---------------------------------------------------------------- answers
@@ -494,16 +572,23 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[dict]) -> dict:
         text = tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [item(e["token"], e["logprob"]) | {"top_logprobs": [item(t, lp) for t, lp in e["top"]]}
-                        for e in entries]}  # fmt: skip
+    return {
+        "content": [
+            item(e["token"], e["logprob"]) | {"top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries
+        ]
+    }
 
 
 def completion_logprobs(tokenizer: Tokenizer, entries: list[dict], offset: int) -> dict:
     tokens = [tokenizer.decode([e["token"]]) for e in entries]
     offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
     top = [{tokenizer.decode([t]): lp for t, lp in e["top"]} for e in entries]
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": top,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 async def run_job(job: Job, app_state, request_id: str):
@@ -511,9 +596,14 @@ async def run_job(job: Job, app_state, request_id: str):
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     send = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
     # Choice i of a seeded request draws from seed + i: the n choices differ, and each repeats with its seed.
-    seeded = lambda i: job.params if job.params.seed is None else replace(job.params, seed=(job.params.seed + i) % 2**64)  # noqa: E731
-    choices = [Choice(p * job.n + i, ids, job.max_tokens, seeded(i), job.stop, job.top_logprobs, send)
-               for p, ids in enumerate(job.prompts) for i in range(job.n)]  # fmt: skip
+    seeded = lambda i: (
+        job.params if job.params.seed is None else replace(job.params, seed=(job.params.seed + i) % 2**64)
+    )  # noqa: E731
+    choices = [
+        Choice(p * job.n + i, ids, job.max_tokens, seeded(i), job.stop, job.top_logprobs, send)
+        for p, ids in enumerate(job.prompts)
+        for i in range(job.n)
+    ]
     app_state.engine.submit(choices)
     open_choices = len(choices)
     try:
@@ -532,8 +622,12 @@ def usage(job: Job, choices: list[Choice]) -> dict:
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(len(c.tokens) for c in choices)
     reused = sum(c.reused for c in choices if c.index % job.n == 0)  # of each prompt's first choice, as prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": reused}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    }
 
 
 def log_request(request_id: str, job: Job, choices: list[Choice], start: float, first: float | None):
@@ -541,8 +635,15 @@ def log_request(request_id: str, job: Job, choices: list[Choice], start: float, 
     u = usage(job, choices)
     ttft = (first or end) - start
     rate = u["completion_tokens"] / (end - first) if first and end > first else float("nan")
-    log.info("%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%.3fs tokens/s=%.1f", request_id,
-             u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"], ttft, rate)  # fmt: skip
+    log.info(
+        "%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%.3fs tokens/s=%.1f",
+        request_id,
+        u["prompt_tokens"],
+        u["prompt_tokens_details"]["cached_tokens"],
+        u["completion_tokens"],
+        ttft,
+        rate,
+    )
 
 
 def make_app(app_state):
@@ -557,7 +658,9 @@ def make_app(app_state):
         if app_state.api_key and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {app_state.api_key}".encode()):
-                e = ApiError("a valid API key is required: Authorization: Bearer KEY", None, 401, "authentication_error")
+                e = ApiError(
+                    "a valid API key is required: Authorization: Bearer KEY", None, 401, "authentication_error"
+                )
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
@@ -592,33 +695,58 @@ def make_app(app_state):
         def chunk(e: dict) -> dict:
             lp = None
             if e["logprobs"] is not None:
-                lp = chat_logprobs(tokenizer, [e["logprobs"]]) if chat else completion_logprobs(tokenizer, [e["logprobs"]], 0)
+                lp = (
+                    chat_logprobs(tokenizer, [e["logprobs"]])
+                    if chat
+                    else completion_logprobs(tokenizer, [e["logprobs"]], 0)
+                )
             if chat:
-                choice = {"index": e["index"], "delta": {"content": e["text"]}, "logprobs": lp, "finish_reason": e["finish_reason"]}
+                choice = {
+                    "index": e["index"],
+                    "delta": {"content": e["text"]},
+                    "logprobs": lp,
+                    "finish_reason": e["finish_reason"],
+                }
             else:
                 choice = {"index": e["index"], "text": e["text"], "logprobs": lp, "finish_reason": e["finish_reason"]}
             return head | {"object": kind + ("" if not chat else ".chunk"), "choices": [choice]}
 
         if job.stream:
+
             async def sse():
                 try:
                     if chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
                         for c in choices:
-                            yield sse_line(head | {"object": "chat.completion.chunk", "choices": [
-                                {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}]})  # fmt: skip
+                            yield sse_line(
+                                head
+                                | {
+                                    "object": "chat.completion.chunk",
+                                    "choices": [
+                                        {
+                                            "index": c.index,
+                                            "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None,
+                                            "finish_reason": None,
+                                        }
+                                    ],
+                                }
+                            )
                     elif job.echo:
                         for c in choices:
                             text = tokenizer.decode(c.ids)
-                            yield sse_line(chunk({"index": c.index, "text": text, "logprobs": None, "finish_reason": None}))
+                            yield sse_line(
+                                chunk({"index": c.index, "text": text, "logprobs": None, "finish_reason": None})
+                            )
                     if shown(event):
                         yield sse_line(chunk(event))
                     async for e, _ in events:
                         if shown(e):
                             yield sse_line(chunk(e))
                     if job.include_usage:
-                        yield sse_line(head | {"object": kind + (".chunk" if chat else ""), "choices": [],
-                                               "usage": usage(job, choices)})  # fmt: skip
+                        yield sse_line(
+                            head
+                            | {"object": kind + (".chunk" if chat else ""), "choices": [], "usage": usage(job, choices)}
+                        )
                     yield "data: [DONE]\n\n"
                 finally:
                     await events.aclose()
@@ -649,8 +777,14 @@ def make_app(app_state):
             if job.top_logprobs is not None:
                 lp = chat_logprobs(tokenizer, entries[i]) if chat else completion_logprobs(tokenizer, entries[i], 0)
             if chat:
-                answer.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp,
-                               "finish_reason": reasons[i]})  # fmt: skip
+                answer.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": lp,
+                        "finish_reason": reasons[i],
+                    }
+                )
             else:
                 text = (tokenizer.decode(c.ids) if job.echo else "") + texts[i]
                 answer.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reasons[i]})
@@ -666,15 +800,24 @@ def make_app(app_state):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": app_state.model_name, "object": "model", "created": app_state.created,
-                                            "owned_by": "local"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [
+                {"id": app_state.model_name, "object": "model", "created": app_state.created, "owned_by": "local"}
+            ],
+        }
 
     @app.get("/health")
     async def health():
         engine = app_state.engine
         speculation = None if engine.speculation is None else engine.speculation.summary()
-        return {"status": "ok", "busy_slots": len(engine.busy_slots()), "slots": len(engine.slots),
-                "waiting": engine.waiting.qsize(), "speculation": speculation}  # fmt: skip
+        return {
+            "status": "ok",
+            "busy_slots": len(engine.busy_slots()),
+            "slots": len(engine.slots),
+            "waiting": engine.waiting.qsize(),
+            "speculation": speculation,
+        }
 
     @app.get("/")
     async def page():
@@ -715,7 +858,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--max_seq_length", type=int, default=2048, help="positions per slot: prompt plus reply (capped by the model)")
     arg("--max_queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
-    arg("--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
+    arg(
+        "--device",
+        type=device_flag,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda, cuda:1, ...",
+    )
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     arg("--compile", action="store_true", help="torch.compile the decode step (one graph per power-of-two batch)")
     arg("--kernels", choices=("auto", "fused", "library"), default="auto", help="CPU products, as generate.py's flag")
@@ -748,15 +896,25 @@ def main(argv=None):
             check_draft_tokenizer(tokenizer, args.draft_checkpoint_path)
             check_speculation(model, draft, SamplingParams(), args.speculate_k)
         steps = compile_steps(device, args.compile)
-        max_seq_length = min(args.max_seq_length, model.config.block_size, *([draft.config.block_size] if draft else []))
-        engine = Engine(model, tokenizer, args.max_batch_size, max_seq_length, steps, args.max_queue, draft,
-                        args.speculate_k)  # fmt: skip
+        max_seq_length = min(
+            args.max_seq_length, model.config.block_size, *([draft.config.block_size] if draft else [])
+        )
+        engine = Engine(
+            model, tokenizer, args.max_batch_size, max_seq_length, steps, args.max_queue, draft, args.speculate_k
+        )
         if args.compile:
             engine.warm_up()
         engine.thread.start()
         app = make_app(AppState(engine, args.model_name or path.parent.name, args.api_key))
-        log.info("serving %s on http://%s:%d (%d slots of %d positions%s)", path, args.host, args.port,
-                 args.max_batch_size, max_seq_length, f", draft {args.draft_checkpoint_path}" if draft else "")  # fmt: skip
+        log.info(
+            "serving %s on http://%s:%d (%d slots of %d positions%s)",
+            path,
+            args.host,
+            args.port,
+            args.max_batch_size,
+            max_seq_length,
+            f", draft {args.draft_checkpoint_path}" if draft else "",
+        )
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -8,6 +8,7 @@
 Special ids and the chat template come from tokenizer_config.json / generation_config.json /
 chat_template.jinja beside the tokenizer, as Hugging Face writes them.
 """
+
 import base64
 import functools
 import json
@@ -15,9 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Llama 3's pre-tokenizer split pattern and its special tokens (the file holds only the 128000 merges).
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 LLAMA3_NAMED_SPECIAL_TOKENS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -109,8 +108,10 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     else:
         raise FileNotFoundError(f"no tokenizer.json or tokenizer.model in {folder}")
     # tokenizer_config.json and generation_config.json, where present, name the special tokens.
-    specials = {k: token_content(config.get(k), folder / "tokenizer_config.json", k)
-                for k in ("bos_token", "eos_token", "pad_token", "unk_token")}  # fmt: skip
+    specials = {
+        k: token_content(config.get(k), folder / "tokenizer_config.json", k)
+        for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
     specials = {k: v for k, v in specials.items() if v is not None}
     if "bos_token" in specials:
         tok.bos_id = tok.token_to_id(specials["bos_token"])
@@ -118,7 +119,9 @@ def load_tokenizer(checkpoint_dir: str | Path) -> Tokenizer:
     if "eos_token" in specials and tok.token_to_id(specials["eos_token"]) is not None:
         eos_ids.append(tok.token_to_id(specials["eos_token"]))
     generation_eos = read_json(folder / "generation_config.json").get("eos_token_id")
-    generation_eos = [] if generation_eos is None else generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    generation_eos = (
+        [] if generation_eos is None else generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    )
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in generation_eos):
         raise ValueError(f"{folder / 'generation_config.json'}: eos_token_id must be token ids, got {generation_eos!r}")
     tok.eos_ids = sorted(set(eos_ids + generation_eos))
@@ -240,7 +243,8 @@ def tiktoken_tokenizer(path: Path) -> Tokenizer:
     except Exception as e:  # a line that is not "<base64 token> <rank>"
         raise ValueError(f"{path}: not a readable tiktoken BPE file ({type(e).__name__}: {e})") from None
     names = LLAMA3_NAMED_SPECIAL_TOKENS + [
-        f"<|reserved_special_token_{i}|>" for i in range(2, LLAMA3_NUM_SPECIAL_TOKENS - len(LLAMA3_NAMED_SPECIAL_TOKENS) + 2)
+        f"<|reserved_special_token_{i}|>"
+        for i in range(2, LLAMA3_NUM_SPECIAL_TOKENS - len(LLAMA3_NAMED_SPECIAL_TOKENS) + 2)
     ]
     special = {name: len(ranks) + i for i, name in enumerate(names)}
     enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)

@@ -9,6 +9,7 @@ that their outputs are partial sums, all-reduced. The output projection is split
 slices gathered. Quantized layers split the same way, with their scales (and int4 zeros) following the
 weights. The KV cache of a rank holds only its heads. NCCL connects GPUs, gloo connects CPU processes.
 """
+
 import contextlib
 import os
 import sys
@@ -133,11 +134,17 @@ def check_divisible(config: ModelArgs, world_size: int, quantization: dict | Non
     if not problems and quantization is not None and quantization["mode"] == "int4":
         group = quantization["groupsize"]
         inputs = {"wo": c.n_head * c.head_dim, "w2": c.intermediate_size}
-        problems += [f"{name} would get {k // w} inputs a rank, not whole int4 groups of {group}"
-                     for name, k in inputs.items() if k // w % group]  # fmt: skip
+        problems += [
+            f"{name} would get {k // w} inputs a rank, not whole int4 groups of {group}"
+            for name, k in inputs.items()
+            if k // w % group
+        ]
         outputs = {"wqkv": (c.n_head + 2 * c.n_kv_heads) * c.head_dim, "w1/w3": c.intermediate_size}
-        problems += [f"{name} would get {n // w} outputs a rank, not a multiple of 16 (int4 kernel tiles)"
-                     for name, n in outputs.items() if n // w % 16]  # fmt: skip
+        problems += [
+            f"{name} would get {n // w} outputs a rank, not a multiple of 16 (int4 kernel tiles)"
+            for name, n in outputs.items()
+            if n // w % 16
+        ]
     if problems:
         raise ValueError(f"cannot split this model over {w} ranks: " + "; ".join(problems))
 

@@ -11,6 +11,7 @@ requests one at a time in arrival order: a request's TTFT includes its wait for 
 server.py --compile compiles its decode graphs before it serves (one per power-of-two batch, greedy and sampled);
 the time it takes to start is printed. One request warms up each side before the timed rounds.
 """
+
 import argparse
 import json
 import os
@@ -31,13 +32,23 @@ from model import Kernels  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
-    "List three prime numbers.", "What does a compiler do?", "Give me a recipe for pancakes.",
-    "Why is the sky blue?", "Translate 'good morning' into Spanish.", "What is 12 times 12?",
-    "Name a famous painter and one of their works.", "How do plants make food?", "Tell me a short joke.",
-    "What is the difference between a list and a tuple in Python?", "Describe a cat in one sentence.",
-    "Summarize the story of Cinderella in two sentences.", "What are the three states of matter?",
-]  # fmt: skip
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a child.",
+    "List three prime numbers.",
+    "What does a compiler do?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Name a famous painter and one of their works.",
+    "How do plants make food?",
+    "Tell me a short joke.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe a cat in one sentence.",
+    "Summarize the story of Cinderella in two sentences.",
+    "What are the three states of matter?",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,9 +58,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(label: str, clients: int, wall: float, tokens: int, ttfts: list[float]) -> dict:
-    return {"server": label, "clients": clients, "requests": len(ttfts), "completion_tokens": tokens,
-            "wall_s": wall, "total_tokens_per_s": tokens / wall, "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p95_s": percentile(ttfts, 95)}  # fmt: skip
+    return {
+        "server": label,
+        "clients": clients,
+        "requests": len(ttfts),
+        "completion_tokens": tokens,
+        "wall_s": wall,
+        "total_tokens_per_s": tokens / wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p95_s": percentile(ttfts, 95),
+    }
 
 
 def requests_of(clients: int, per_client: int) -> list[list[str]]:
@@ -60,9 +78,18 @@ def requests_of(clients: int, per_client: int) -> list[list[str]]:
 def start_server(args) -> tuple[subprocess.Popen, str, float]:
     """Starts server.py; returns it, its address and the seconds it took to answer /health."""
     url, start = f"http://127.0.0.1:{args.port}", time.perf_counter()
-    command = [sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(args.checkpoint_path),
-               "--port", str(args.port), "--max_batch_size", str(max(args.clients)),
-               "--max_seq_length", str(args.max_seq_length)] + ["--compile"] * args.compile  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "server.py"),
+        "--checkpoint_path",
+        str(args.checkpoint_path),
+        "--port",
+        str(args.port),
+        "--max_batch_size",
+        str(max(args.clients)),
+        "--max_seq_length",
+        str(args.max_seq_length),
+    ] + ["--compile"] * args.compile
     process = subprocess.Popen(command, cwd=ROOT)  # its log (compiles, one line per request) goes to stderr
     while True:
         try:
@@ -76,8 +103,13 @@ def start_server(args) -> tuple[subprocess.Popen, str, float]:
 
 def one_request(url: str, question: str, max_tokens: int) -> tuple[float, int]:
     """Sends one streamed chat request; returns (time to first text, completion tokens)."""
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, ttft, tokens = time.perf_counter(), None, 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
@@ -130,8 +162,12 @@ def run_sequential(model, tokenizer, steps, clients: int, per_client: int, max_t
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT)
-    p.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
-                   help="comma-separated numbers of concurrent clients")  # fmt: skip
+    p.add_argument(
+        "--clients",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 4, 16],
+        help="comma-separated numbers of concurrent clients",
+    )
     p.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -170,14 +206,18 @@ def main(argv=None):
     if args.json:
         print(json.dumps({"server_start_s": started, "rows": rows}, indent=1))
         return
-    print(f"{args.checkpoint_path}, {'compiled' if args.compile else 'eager'}, {os.cpu_count()} CPUs, "
-          f"torch threads {torch.get_num_threads()}, greedy, max_tokens {args.max_tokens}; "
-          f"server.py --max_seq_length {args.max_seq_length} started in {started:.0f} s")  # fmt: skip
+    print(
+        f"{args.checkpoint_path}, {'compiled' if args.compile else 'eager'}, {os.cpu_count()} CPUs, "
+        f"torch threads {torch.get_num_threads()}, greedy, max_tokens {args.max_tokens}; "
+        f"server.py --max_seq_length {args.max_seq_length} started in {started:.0f} s"
+    )
     print("| server | clients | requests | tokens | wall s | total tok/s | TTFT p50 s | TTFT p95 s |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['server']} | {r['clients']} | {r['requests']} | {r['completion_tokens']} | {r['wall_s']:.1f} | "
-              f"{r['total_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['server']} | {r['clients']} | {r['requests']} | {r['completion_tokens']} | {r['wall_s']:.1f} | "
+            f"{r['total_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

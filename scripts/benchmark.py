@@ -18,6 +18,7 @@ int8 / int4 models are quantized in memory (round to nearest; int4 groups of --g
 llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python);
 its F32 / F16 / Q8_0 files are made from the GGUF with the package's own quantize function.
 """
+
 import argparse
 import contextlib
 import ctypes
@@ -45,12 +46,14 @@ from quantize import quantize_checkpoint, quantize_model  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # random-weight models of well-known shapes: GPU runs need no download
-    "smollm2-135m": dict(dim=576, n_layer=30, n_head=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152,
-                         tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        dim=576, n_layer=30, n_head=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True
+    ),
     "llama-2-7b": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=11008, vocab_size=32000),
-    "llama-3-8b": dict(dim=4096, n_layer=32, n_head=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256,
-                       rope_base=500000.0),
-}  # fmt: skip
+    "llama-3-8b": dict(
+        dim=4096, n_layer=32, n_head=32, n_kv_heads=8, intermediate_size=14336, vocab_size=128256, rope_base=500000.0
+    ),
+}
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
 MATVECS = ("auto", "fused", "library")
 LLAMA_CPP_TYPES = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_1"}  # comparable formats
@@ -89,7 +92,9 @@ def parse_configs(text: str) -> list[Config]:
         parts = item.strip().split(":")
         mode, precision, matvec = parts + ["auto"] if len(parts) == 2 else parts if len(parts) == 3 else ("",) * 3
         if mode not in ("eager", "compiled") or precision not in PRECISIONS or matvec not in MATVECS:
-            raise argparse.ArgumentTypeError(f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}[:{'|'.join(MATVECS)}]")
+            raise argparse.ArgumentTypeError(
+                f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}[:{'|'.join(MATVECS)}]"
+            )
         configs.append(Config(mode == "compiled", precision, matvec))
     return configs
 
@@ -149,7 +154,9 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
             set_kernels(base, kernels)
         else:
             base = load_model(args.checkpoint_path, args.device, dtype, kernels=kernels)
-        return base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize, kernels)
+        return (
+            base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize, kernels)
+        )
 
     model, memory = measure_memory(args.device, build)
     draft = load_model(args.draft, args.device, torch.float32, kernels=kernels) if with_draft else None
@@ -170,7 +177,9 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
 
     matvec = kernels.float_matvec if precision in ("float32", "bfloat16") else kernels.quant_matvec
     path = f" ({matvec})" if args.device.type == "cpu" else ""
-    name = f"ours {'compiled' if compiled else 'eager'} {precision}{path}" + (f" + draft (k={args.speculate_k})" if draft else "")
+    name = f"ours {'compiled' if compiled else 'eager'} {precision}{path}" + (
+        f" + draft (k={args.speculate_k})" if draft else ""
+    )
     entry = Entry(name, run, precision, model_size_bytes(model), memory, compiled=compiled)
     start = time.perf_counter()
     entry.run()  # warm-up: compiles, if compiled
@@ -187,9 +196,25 @@ def measure_start(args, config: Config, folder: Path) -> tuple[float, float]:
             (folder / f.name).symlink_to(f.resolve())
         checkpoint = quantize_checkpoint(folder / checkpoint.name, config.precision, args.groupsize)
     dtype = "bfloat16" if config.precision == "bfloat16" else "float32"
-    command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(checkpoint), "--compile",
-               "--prompt", "Hello", "--max_new_tokens", "2", "--temperature", "0", "--dtype", dtype,
-               "--kernels", config.matvec, "--device", str(args.device)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "generate.py"),
+        "--checkpoint_path",
+        str(checkpoint),
+        "--compile",
+        "--prompt",
+        "Hello",
+        "--max_new_tokens",
+        "2",
+        "--temperature",
+        "0",
+        "--dtype",
+        dtype,
+        "--kernels",
+        config.matvec,
+        "--device",
+        str(args.device),
+    ]
     with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(args.threads))
         times = []
@@ -228,8 +253,14 @@ def llama_cpp_entry(gguf: Path, kind: str, prompt: list[int], args) -> Entry:
     from llama_cpp import Llama
 
     def build():
-        return Llama(model_path=str(gguf), n_ctx=len(prompt) + args.new_tokens + 8, n_batch=max(512, len(prompt)),
-                     n_threads=args.threads, n_threads_batch=args.threads, verbose=False)  # fmt: skip
+        return Llama(
+            model_path=str(gguf),
+            n_ctx=len(prompt) + args.new_tokens + 8,
+            n_batch=max(512, len(prompt)),
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            verbose=False,
+        )
 
     if cpu_has_amx():  # llama.cpp's AMX weight buffers crash on such CPUs (llama.cpp issue 20824): use plain ones
         import llama_cpp.llama_cpp as low
@@ -254,8 +285,11 @@ def llama_cpp_entry(gguf: Path, kind: str, prompt: list[int], args) -> Entry:
         start = time.perf_counter()
         for _ in range(args.new_tokens - 1):
             llm.eval([token])  # llama-bench, too, decodes fixed tokens: the speed does not depend on them
-        return {"time_to_first_token_s": ttft, "prefill_tokens_per_s": len(prompt) / ttft,
-                "decode_tokens_per_s": (args.new_tokens - 1) / (time.perf_counter() - start)}  # fmt: skip
+        return {
+            "time_to_first_token_s": ttft,
+            "prefill_tokens_per_s": len(prompt) / ttft,
+            "decode_tokens_per_s": (args.new_tokens - 1) / (time.perf_counter() - start),
+        }
 
     entry = Entry(f"llama.cpp {kind}", run, weight_bytes=gguf.stat().st_size, memory_mb=memory)
     entry.run()
@@ -279,8 +313,11 @@ def transformers_entry(gguf: Path, prompt: list[int], args) -> Entry:
 
     def run() -> dict:
         ttft, total = timed(1), timed(args.new_tokens)
-        return {"time_to_first_token_s": ttft, "prefill_tokens_per_s": len(prompt) / ttft,
-                "decode_tokens_per_s": (args.new_tokens - 1) / (total - ttft)}  # fmt: skip
+        return {
+            "time_to_first_token_s": ttft,
+            "prefill_tokens_per_s": len(prompt) / ttft,
+            "decode_tokens_per_s": (args.new_tokens - 1) / (total - ttft),
+        }
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     entry = Entry("transformers eager float32", run, weight_bytes=weights, memory_mb=memory)
@@ -312,7 +349,9 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
                 row["vs_llama_cpp_decode"] = decode / peer.median("decode_tokens_per_s")
                 row["vs_llama_cpp_prefill"] = row["prefill_tokens_per_s"] / peer.median("prefill_tokens_per_s")
             if "transformers eager float32" in peers:
-                row["vs_transformers_decode"] = decode / peers["transformers eager float32"].median("decode_tokens_per_s")
+                row["vs_transformers_decode"] = decode / peers["transformers eager float32"].median(
+                    "decode_tokens_per_s"
+                )
         rows.append(row)
     memory = "peak MB" if device.type == "cuda" else "RSS +MB"
     lines = [
@@ -358,7 +397,12 @@ def draw_chart(entries: list[Entry], bandwidth: float, title: str, path: Path):
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    colors = {"ours compiled": "#1f77b4", "ours eager": "#9ecae1", "llama.cpp": "#ff7f0e", "transformers eager": "#999999"}
+    colors = {
+        "ours compiled": "#1f77b4",
+        "ours eager": "#9ecae1",
+        "llama.cpp": "#ff7f0e",
+        "transformers eager": "#999999",
+    }
     figure, axes = pyplot.subplots(figsize=(10, 5.5))
     x, ticks, labels, seen = 0.0, [], [], set()
     for precision, bars in chart_bars(entries).items():
@@ -370,8 +414,14 @@ def draw_chart(entries: list[Entry], bandwidth: float, title: str, path: Path):
             seen.add(kind)
             x += 1
         limit = bandwidth * 1e9 / bars[0][1].weight_bytes
-        axes.hlines(limit, left - 0.4, x - 0.6, colors="black", linestyles="dashed",
-                    label=None if "limit" in seen else "bandwidth limit of our weights")  # fmt: skip
+        axes.hlines(
+            limit,
+            left - 0.4,
+            x - 0.6,
+            colors="black",
+            linestyles="dashed",
+            label=None if "limit" in seen else "bandwidth limit of our weights",
+        )
         seen.add("limit")
         peer = f" / {LLAMA_CPP_TYPES[precision]}" if any(kind == "llama.cpp" for kind, _ in bars) else ""
         ticks.append((left + x - 1) / 2)
@@ -392,33 +442,51 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth or its folder")
     p.add_argument("--shape", choices=SHAPES, default=None, help="a random-weight model of this shape instead")
-    p.add_argument("--configs", type=parse_configs, default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
-                   help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library]; the last "
-                        "part picks the CPU one-row kernels (auto: the fastest for this CPU, see model.Kernels)")  # fmt: skip
+    p.add_argument(
+        "--configs",
+        type=parse_configs,
+        default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
+        help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library]; the last "
+        "part picks the CPU one-row kernels (auto: the fastest for this CPU, see model.Kernels)",
+    )
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
     p.add_argument("--draft", type=Path, default=None, help="also each config with this draft model (speculative)")
     p.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
-    p.add_argument("--peers", type=peer_list, default="", help="comma-separated: llama.cpp, transformers (default: none)")
+    p.add_argument(
+        "--peers", type=peer_list, default="", help="comma-separated: llama.cpp, transformers (default: none)"
+    )
     p.add_argument("--gguf", type=Path, default=None, help="the peers' model file (default: the SmolLM2 GGUF)")
     p.add_argument("--prompt_length", type=int, default=128, help="random prompt tokens (the prefill)")
     p.add_argument("--new_tokens", type=int, default=128, help="greedy tokens generated (the decode)")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each configuration (medians reported)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads, ours and the peers'")
-    p.add_argument("--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda or cuda:N")  # fmt: skip
+    p.add_argument(
+        "--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
+    )
     p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
-    p.add_argument("--chart", type=Path, default=None,
-                   help="also draw decode tok/s per precision, ours vs the peers, as a PNG file (needs matplotlib)")
-    p.add_argument("--start", action="store_true",
-                   help="also time generate.py --compile from process start to its first tokens, first-ever "
-                        "(empty inductor cache) and cached, for each compiled configuration")  # fmt: skip
-    p.add_argument("--check", action="store_true",
-                   help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
-                        "same way (compiled or eager) in this run")  # fmt: skip
+    p.add_argument(
+        "--chart",
+        type=Path,
+        default=None,
+        help="also draw decode tok/s per precision, ours vs the peers, as a PNG file (needs matplotlib)",
+    )
+    p.add_argument(
+        "--start",
+        action="store_true",
+        help="also time generate.py --compile from process start to its first tokens, first-ever "
+        "(empty inductor cache) and cached, for each compiled configuration",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
+        "same way (compiled or eager) in this run",
+    )
     args = p.parse_args(argv)
     if args.check and not any(
-        c.precision in ("int8", "int4") and any(f.precision == "float32" and f.compiled == c.compiled for f in args.configs)
+        c.precision in ("int8", "int4")
+        and any(f.precision == "float32" and f.compiled == c.compiled for f in args.configs)
         for c in args.configs
     ):
         p.error("--check compares int8/int4 with float32 run the same way: give both in --configs")
@@ -472,7 +540,9 @@ def benchmark(args):
     random_ids = torch.randint(config.vocab_size, (args.prompt_length,), generator=torch.Generator().manual_seed(0))
     prompt = random_ids.tolist()  # llama-bench, too, measures random tokens: the speed does not depend on them
     bandwidth = copy_bandwidth_gb_s(args.device)
-    print(f"copy bandwidth: {bandwidth:.1f} GB/s (read + write); {args.threads} threads; {args.device}", file=sys.stderr)
+    print(
+        f"copy bandwidth: {bandwidth:.1f} GB/s (read + write); {args.threads} threads; {args.device}", file=sys.stderr
+    )
 
     entries = []
     for config in args.configs:
@@ -481,7 +551,9 @@ def benchmark(args):
         if args.start and config.compiled:
             with tempfile.TemporaryDirectory(prefix="start-") as folder:
                 entries[-1].start_s = measure_start(args, config, Path(folder))
-            print(f"start: {entries[-1].start_s[0]:.1f} s first, {entries[-1].start_s[1]:.1f} s cached", file=sys.stderr)
+            print(
+                f"start: {entries[-1].start_s[0]:.1f} s first, {entries[-1].start_s[1]:.1f} s cached", file=sys.stderr
+            )
         if args.draft is not None:
             entries.append(our_entry(args, config, prompt, with_draft=True))
     if "llama.cpp" in args.peers:
@@ -499,8 +571,11 @@ def benchmark(args):
     for r in range(args.rounds):
         for e in entries:
             e.runs.append(e.run())
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}"
-                                                           for e in entries), file=sys.stderr)  # fmt: skip
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}" for e in entries),
+            file=sys.stderr,
+        )
     if args.profile is not None:
         for e in entries:
             if e.precision is None:
@@ -509,18 +584,27 @@ def benchmark(args):
                 e.run()
             path = args.profile / (e.name.replace(" ", "_").replace("(", "").replace(")", "") + ".json")
             prof.export_chrome_trace(str(path))
-            print(f"\n{e.name}: trace in {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            print(
+                f"\n{e.name}: trace in {path}\n"
+                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+            )
 
     text, rows = table(entries, bandwidth, args.device)
     cpu = cpu_description()
-    print(f"\n{args.shape or args.checkpoint_path}, batch 1, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
-          f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n"
-          f"CPU: {cpu}\n")  # fmt: skip
+    print(
+        f"\n{args.shape or args.checkpoint_path}, batch 1, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
+        f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n"
+        f"CPU: {cpu}\n"
+    )
     print(text)
     if args.chart is not None:
         name = args.shape or resolve_checkpoint(args.checkpoint_path).parent.name
-        draw_chart(entries, bandwidth, f"{name}, batch 1, {args.threads} threads, copy bandwidth {bandwidth:.1f} GB/s\n{cpu}",
-                   args.chart)  # fmt: skip
+        draw_chart(
+            entries,
+            bandwidth,
+            f"{name}, batch 1, {args.threads} threads, copy bandwidth {bandwidth:.1f} GB/s\n{cpu}",
+            args.chart,
+        )
         print(f"chart: {args.chart}", file=sys.stderr)
     if args.json:
         print(json.dumps({"copy_bandwidth_gb_s": bandwidth, "cpu": cpu, "rows": rows}))
@@ -542,8 +626,10 @@ def quantized_slower_than_float32(entries: list[Entry]) -> list[str]:
         if e.precision in ("int8", "int4") and floats:
             best = max(floats, key=lambda f: f.median("decode_tokens_per_s"))
             if e.median("decode_tokens_per_s") < best.median("decode_tokens_per_s"):
-                problems.append(f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
-                                f"{best.name} {best.median('decode_tokens_per_s'):.1f}")  # fmt: skip
+                problems.append(
+                    f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
+                    f"{best.name} {best.median('decode_tokens_per_s'):.1f}"
+                )
     return problems
 
 
@@ -558,7 +644,11 @@ def cpu_description() -> str:
             elif key.strip() == "flags":
                 flags = set(value.split())
                 break
-    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if f in flags]
+    isa = [
+        f
+        for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+        if f in flags
+    ]
     return f"{model}; {' '.join(isa) or 'no AVX2'}; ATen {torch.backends.cpu.get_cpu_capability()}"
 
 

@@ -9,6 +9,7 @@ the other types, which the 4-bit grid cannot hold, are rounded to it from their 
 output projection is int8 as in every int4 checkpoint. The tokenizer (and chat template) is rebuilt from
 the file's metadata by transformers' GGUF support.
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -91,8 +92,12 @@ def gguf_config_to_hf(reader) -> dict:
     if "token_embd.weight" not in names:
         raise ValueError("no token_embd.weight tensor (a vocabulary-only GGUF file?)")
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    hf = {"model_type": ARCHITECTURES[arch], "vocab_size": int(embedding.shape[-1]),  # ggml lists dims innermost first
-          "tie_word_embeddings": "output.weight" not in names, "attention_bias": "blk.0.attn_q.bias" in names}  # fmt: skip
+    hf = {
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": int(embedding.shape[-1]),  # ggml lists dims innermost first
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+    }
     for i, (key, field) in enumerate(CONFIG_KEYS.items()):
         value = metadata(reader, f"{arch}.{key}", required=i < 4)
         if value is not None:
@@ -102,7 +107,9 @@ def gguf_config_to_hf(reader) -> dict:
         factor = metadata(reader, f"{arch}.rope.scaling.factor", required=True)
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float32_value(factor)}
     elif "rope_freqs.weight" in names or rope_type != "none":
-        raise ValueError("GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead")
+        raise ValueError(
+            "GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead"
+        )
     if arch == "gemma3" and hf["num_hidden_layers"] == 62:
         # GGUF has no query_pre_attn_scalar; llama.cpp knows Gemma 3 27B (62 layers) by its size: dim / heads, not head_dim.
         hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
@@ -125,7 +132,9 @@ def gguf_tensor(tensor) -> Tensor:
     except NotImplementedError:
         raise ValueError(f"tensor {tensor.name}: type {tensor.tensor_type.name} is not supported") from None
     shape = tuple(int(n) for n in reversed(tensor.shape))
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a copy: the reader maps the file read-only
+    return torch.from_numpy(
+        np.array(values, dtype=np.float32).reshape(shape)
+    )  # a copy: the reader maps the file read-only
 
 
 def gguf_int4_groups(tensor) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -210,7 +219,9 @@ def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype, int4: b
         parts = [group[p] for p in ("attn_q", "attn_k", "attn_v")]
         out[f"layers.{i}.attention.wqkv.{kind}"] = torch.cat([t for t, _ in parts])
         if kind == "weight" and int4:
-            int4_groups[f"layers.{i}.attention.wqkv"] = tuple(torch.cat(g) for g in zip(*(groups for _, groups in parts)))
+            int4_groups[f"layers.{i}.attention.wqkv"] = tuple(
+                torch.cat(g) for g in zip(*(groups for _, groups in parts))
+            )
     return out, int4_groups
 
 
@@ -218,7 +229,9 @@ def int4_checkpoint(state_dict: dict, args: ModelArgs, int4_groups: dict) -> dic
     """Our int4 g32 checkpoint of the converted model, its block layers' codes taken from int4_groups."""
     for name, (codes, _, _) in int4_groups.items():
         if codes.shape[0] % 16:  # the int4 kernels' tile height
-            raise ValueError(f"--int4 needs a multiple of 16 outputs; {name} has {codes.shape[0]}: quantize.py --mode int8")
+            raise ValueError(
+                f"--int4 needs a multiple of 16 outputs; {name} has {codes.shape[0]}: quantize.py --mode int8"
+            )
     with torch.device("meta"):
         model = Transformer(args)
     model.load_state_dict(state_dict, assign=True)

@@ -6,6 +6,7 @@ checkpoint folder of ours.
 The output folder holds model.pth (our parameter names), config.json (ModelArgs) and the tokenizer
 files. It is written to a temporary folder first and renamed at the end, so a failed run leaves nothing.
 """
+
 import argparse
 import math
 import os
@@ -17,7 +18,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import DTYPES, HelpFormatter, check_tensors, load_tensor_file, save_tensors, set_ordinary_mode, user_errors  # noqa: E402
+from checkpoint import (
+    DTYPES,
+    HelpFormatter,
+    check_tensors,
+    load_tensor_file,
+    save_tensors,
+    set_ordinary_mode,
+    user_errors,
+)  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 from tokenizer import load_tokenizer, read_json  # noqa: E402
 
@@ -49,7 +58,11 @@ def hf_config_to_args(hf: dict) -> ModelArgs:
         return gpt2_config_to_args(hf)
     gemma = model_type in GEMMAS
     # Gemma 1 names its activation hidden_act, Gemma 2/3 hidden_activation; both mean the tanh GELU.
-    act = (hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh") if gemma else hf.get("hidden_act", "silu")
+    act = (
+        (hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh")
+        if gemma
+        else hf.get("hidden_act", "silu")
+    )
     act = "gelu_pytorch_tanh" if gemma and act == "gelu" else act  # Gemma 1's legacy name for it, as HF reads it
     if act not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
@@ -100,11 +113,22 @@ def gpt2_config_to_args(hf: dict) -> ModelArgs:
         raise ValueError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
     dim = hf["n_embd"]
     return ModelArgs(
-        dim=dim, n_layer=hf["n_layer"], n_head=hf["n_head"], intermediate_size=hf.get("n_inner") or 4 * dim,
-        vocab_size=hf["vocab_size"], block_size=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        tie_word_embeddings=hf.get("tie_word_embeddings", True), attention_bias=True, attention_out_bias=True, norm_type="layernorm",
-        hidden_act="gelu_tanh", gated_mlp=False, mlp_bias=True, position_embedding="learned",
-    )  # fmt: skip
+        dim=dim,
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        intermediate_size=hf.get("n_inner") or 4 * dim,
+        vocab_size=hf["vocab_size"],
+        block_size=hf["n_positions"],
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        attention_bias=True,
+        attention_out_bias=True,
+        norm_type="layernorm",
+        hidden_act="gelu_tanh",
+        gated_mlp=False,
+        mlp_bias=True,
+        position_embedding="learned",
+    )
 
 
 def hf_rope(hf: dict, model_type: str, head_dim: int) -> tuple[float, dict | None, float | None]:
@@ -139,10 +163,19 @@ def hf_rope(hf: dict, model_type: str, head_dim: int) -> tuple[float, dict | Non
         factor = rope.get("factor") or hf["max_position_embeddings"] / original
         # The paper's attention scaling unless the config gives one (Phi-3 derives factor from the two lengths).
         attention_factor = rope.get("attention_factor") or (
-            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)  # fmt: skip
-        return rope_base, {"rope_type": "longrope", "short_factor": rope["short_factor"],
-                           "long_factor": rope["long_factor"], "original_max_position_embeddings": original,
-                           "attention_factor": attention_factor}, local_base  # fmt: skip
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        )
+        return (
+            rope_base,
+            {
+                "rope_type": "longrope",
+                "short_factor": rope["short_factor"],
+                "long_factor": rope["long_factor"],
+                "original_max_position_embeddings": original,
+                "attention_factor": attention_factor,
+            },
+            local_base,
+        )
     raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope)")
 
 
@@ -174,7 +207,10 @@ def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def hf_weight_files(checkpoint_dir: Path) -> list[Path]:
     # The index names the shards; some folders also hold other weight files (e.g. consolidated.safetensors).
-    for single, index in (("model.safetensors", "model.safetensors.index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
         if (checkpoint_dir / index).is_file():
             weight_map = read_json(checkpoint_dir / index).get("weight_map")
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -226,11 +262,20 @@ LAYER_RENAMES = {
 }
 GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # Projections that make up our fused wqkv, and which of q, k, v each holds (Phi-3 stores all three fused).
-QKV_PROJECTIONS = {"self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v", "self_attn.qkv_proj": "qkv"}
+QKV_PROJECTIONS = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "k",
+    "self_attn.v_proj": "v",
+    "self_attn.qkv_proj": "qkv",
+}
 TOP_RENAMES = {
-    "model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output",
-    "wte": "tok_embeddings", "wpe": "pos_embeddings", "ln_f": "norm",
-}  # fmt: skip
+    "model.embed_tokens": "tok_embeddings",
+    "model.norm": "norm",
+    "lm_head": "output",
+    "wte": "tok_embeddings",
+    "wpe": "pos_embeddings",
+    "ln_f": "norm",
+}
 
 
 def hf_name_parts(name: str) -> tuple[str | None, str]:
@@ -239,7 +284,9 @@ def hf_name_parts(name: str) -> tuple[str | None, str]:
     for prefix in ("model.language_model.", "language_model.model.", "language_model."):  # Gemma 3 multimodal
         if name.startswith(prefix):
             name = ("model." if prefix != "language_model." else "") + name[len(prefix) :]
-    if name.startswith(("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")):
+    if name.startswith(
+        ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+    ):
         return None, ""
     name = name.removeprefix("transformer.")  # GPT-2
     for layers in ("model.layers.", "h."):
@@ -310,7 +357,9 @@ def check_state_dict(state_dict: dict, args: ModelArgs):
         raise ValueError(f"checkpoint does not match config: missing {missing[:5]}, unexpected {extra[:5]}")
     for k, shape in expected.items():
         if state_dict[k].shape != shape:
-            raise ValueError(f"checkpoint tensor {k} has shape {tuple(state_dict[k].shape)}, config implies {tuple(shape)}")
+            raise ValueError(
+                f"checkpoint tensor {k} has shape {tuple(state_dict[k].shape)}, config implies {tuple(shape)}"
+            )
 
 
 def write_checkpoint(out_dir: Path, state_dict: dict, args: ModelArgs, fill_tokenizer):

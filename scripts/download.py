@@ -4,6 +4,7 @@
 
 Gated repositories need a token: --hf_token or the HF_TOKEN environment variable.
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -16,10 +17,18 @@ def download(repo_id: str, local_dir: Path, token: str | None = None) -> Path:
     from huggingface_hub import list_repo_files, snapshot_download
 
     files = list_repo_files(repo_id, token=token)
-    patterns = ALLOW_PATTERNS if any(f.endswith(".safetensors") for f in files) else ALLOW_PATTERNS + ["pytorch_model*.bin"]
+    patterns = (
+        ALLOW_PATTERNS if any(f.endswith(".safetensors") for f in files) else ALLOW_PATTERNS + ["pytorch_model*.bin"]
+    )
     # consolidated.* are Meta-format duplicates of the same weights.
     return Path(
-        snapshot_download(repo_id, local_dir=local_dir, token=token, allow_patterns=patterns, ignore_patterns=["consolidated*", "original/*"])
+        snapshot_download(
+            repo_id,
+            local_dir=local_dir,
+            token=token,
+            allow_patterns=patterns,
+            ignore_patterns=["consolidated*", "original/*"],
+        )
     )
 
 

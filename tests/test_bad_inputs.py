@@ -5,6 +5,7 @@ file or flag, and no file left behind. Most cases call the script's main() in th
 code path as the command line, minus the interpreter's start-up); those that need a real process (bytes
 in argv, Ctrl-C, a file size limit) run one.
 """
+
 import json
 import os
 import pickle
@@ -32,15 +33,29 @@ BASE_ARGS = {
     "generate": ["--checkpoint_path", "{tmp}/ckpt", "--max_new_tokens", "4", "--temperature", "0"],
     "quantize": ["--checkpoint_path", "{tmp}/ckpt/model.pth", "--mode", "int8"],
     "eval": ["--checkpoint_path", "{tmp}/ckpt", "--window", "64"],
-    "benchmark": ["--checkpoint_path", "{tmp}/ckpt", "--configs", "eager:float32", "--rounds", "1",
-                  "--prompt_length", "4", "--new_tokens", "2"],  # fmt: skip
+    "benchmark": [
+        "--checkpoint_path",
+        "{tmp}/ckpt",
+        "--configs",
+        "eager:float32",
+        "--rounds",
+        "1",
+        "--prompt_length",
+        "4",
+        "--new_tokens",
+        "2",
+    ],
     "convert_hf": ["--checkpoint_dir", "{tmp}/hf", "--out_dir", "{tmp}/out"],
     "convert_gguf": ["--gguf", "{tmp}/m.gguf", "--out_dir", "{tmp}/out"],
 }
 MAINS = {
-    "generate": generate.main, "quantize": quantize.main, "eval": evaluate.main, "benchmark": benchmark_main,
-    "convert_hf": convert_hf_main, "convert_gguf": convert_gguf_main,
-}  # fmt: skip
+    "generate": generate.main,
+    "quantize": quantize.main,
+    "eval": evaluate.main,
+    "benchmark": benchmark_main,
+    "convert_hf": convert_hf_main,
+    "convert_gguf": convert_gguf_main,
+}
 
 
 class Exploit:
@@ -107,14 +122,22 @@ def gguf_without(tensors=False, metadata_key=None, arch="llama"):
 
     def setup(tmp):
         model = generate.load_model(tmp / "ckpt")
-        write_gguf(tmp / "m.gguf", {} if tensors else model.state_dict(), model.config, gguf.GGMLQuantizationType.F32,
-                   arch=arch, skip_keys={metadata_key})  # fmt: skip
+        write_gguf(
+            tmp / "m.gguf",
+            {} if tensors else model.state_dict(),
+            model.config,
+            gguf.GGMLQuantizationType.F32,
+            arch=arch,
+            skip_keys={metadata_key},
+        )
 
     return setup
 
 
 def index_with_missing_shard(tmp):
-    (tmp / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "absent.safetensors"}}))
+    (tmp / "hf" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "absent.safetensors"}})
+    )
 
 
 RANDOM = bytes(range(256)) * 3
@@ -123,8 +146,15 @@ CASES = [
     ("generate", write("ckpt/config.json", "null"), [], "config.json"),
     ("generate", edit_json("ckpt/config.json", rope_base="abc"), [], "rope_base"),
     ("generate", edit_json("ckpt/config.json", norm_eps=-1), [], "norm_eps"),
-    ("generate", write("ckpt/config.json", '{"dim": 64, "n_layer": 2, "n_head": 4, "intermediate_size": 96, '
-                                           '"vocab_size": 320, "norm_eps": NaN}'), [], "norm_eps"),  # fmt: skip
+    (
+        "generate",
+        write(
+            "ckpt/config.json",
+            '{"dim": 64, "n_layer": 2, "n_head": 4, "intermediate_size": 96, "vocab_size": 320, "norm_eps": NaN}',
+        ),
+        [],
+        "norm_eps",
+    ),
     ("generate", edit_json("ckpt/config.json", dim=64.5), [], "dim"),
     ("generate", edit_json("ckpt/config.json", n_layer=True), [], "n_layer"),
     ("generate", edit_json("ckpt/config.json", rope_scaling={"rope_type": "llama3", "factor": 8}), [], "rope_scaling"),
@@ -134,14 +164,23 @@ CASES = [
     ("generate", write("ckpt/model.pth", b""), [], "model.pth"),
     ("generate", save("ckpt/model.pth", {"tok_embeddings.weight": 1}), [], "model.pth"),
     ("generate", write("ckpt/model.pth", pickle.dumps({"tok_embeddings.weight": Exploit()})), [], "model.pth"),
-    ("generate", save("ckpt/model.pth", {"tok_embeddings.weight": Exploit()}), [], "posix.system"),  # torch.save's format
+    (
+        "generate",
+        save("ckpt/model.pth", {"tok_embeddings.weight": Exploit()}),
+        [],
+        "posix.system",
+    ),  # torch.save's format
     ("generate", quantized_with("int8"), [], "model.pth"),
     ("generate", quantized_with({"version": 1, "mode": "int2"}), [], "model.pth"),
     ("generate", write("ckpt/tokenizer.json", RANDOM), [], "tokenizer.json"),
     ("generate", write("ckpt/tokenizer_config.json", "{not json"), [], "tokenizer_config.json"),
     ("generate", write("ckpt/generation_config.json", {"eos_token_id": "</s>"}), [], "generation_config.json"),
-    ("generate", write("ckpt/chat_template.jinja", "{% for m in messages %}{{ m.content }"), ["--interactive"],
-     "chat_template.jinja"),  # fmt: skip
+    (
+        "generate",
+        write("ckpt/chat_template.jinja", "{% for m in messages %}{{ m.content }"),
+        ["--interactive"],
+        "chat_template.jinja",
+    ),
     ("generate", lambda tmp: (tmp / "ckpt" / "config.json").unlink(), [], "config.json"),
     ("generate", lambda tmp: (tmp / "ckpt" / "tokenizer.json").unlink(), [], "tokenizer.json or tokenizer.model"),
     ("generate", edit_json("ckpt/config.json", n_kv_heads=3), [], "n_kv_heads"),
@@ -184,17 +223,29 @@ CASES = [
     # quantize.py
     ("quantize", None, ["--checkpoint_path", "{tmp}/absent.pth"], "absent.pth"),
     ("quantize", save("ckpt/model.pth", torch.zeros(3)), [], "model.pth"),
-    ("quantize", lambda tmp: quantize.quantize_checkpoint(tmp / "ckpt" / "model.pth", "int8"),
-     ["--checkpoint_path", "{tmp}/ckpt/model_int8.pth", "--mode", "int4"], "already quantized"),  # fmt: skip
+    (
+        "quantize",
+        lambda tmp: quantize.quantize_checkpoint(tmp / "ckpt" / "model.pth", "int8"),
+        ["--checkpoint_path", "{tmp}/ckpt/model_int8.pth", "--mode", "int4"],
+        "already quantized",
+    ),
     ("quantize", write("ckpt/config.json", "null"), [], "config.json"),
     ("quantize", None, ["--mode", "int3"], "--mode"),
     ("quantize", None, ["--mode", "int4", "--groupsize", "48"], "groupsize"),
     ("quantize", None, ["--mode", "int4", "--groupsize", "64"], "groupsize"),
     ("quantize", None, ["--mode", "int4-gptq", "--calibration_file", "{tmp}/absent.txt"], "absent.txt"),
-    ("quantize", write("calib.txt", b"\x80abc"), ["--mode", "int4-gptq", "--calibration_file", "{tmp}/calib.txt"],
-     "calib.txt"),  # fmt: skip
-    ("quantize", write("calib.txt", "too short"), ["--mode", "int4-gptq", "--calibration_file", "{tmp}/calib.txt"],
-     "calibration"),  # fmt: skip
+    (
+        "quantize",
+        write("calib.txt", b"\x80abc"),
+        ["--mode", "int4-gptq", "--calibration_file", "{tmp}/calib.txt"],
+        "calib.txt",
+    ),
+    (
+        "quantize",
+        write("calib.txt", "too short"),
+        ["--mode", "int4-gptq", "--calibration_file", "{tmp}/calib.txt"],
+        "calibration",
+    ),
     ("quantize", None, ["--mode", "int4-gptq", "--calibration_samples", "0"], "--calibration_samples"),
     # eval.py
     ("eval", None, ["--device", "tpu"], "--device"),
@@ -302,8 +353,9 @@ def run_script(script, *args, stdin=b"", limit_file_size=None, timeout=300):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_size, limit_file_size))
 
     command = [sys.executable, str(ROOT / script), *args]
-    return subprocess.run(command, input=stdin, capture_output=True, timeout=timeout,
-                          preexec_fn=limit if limit_file_size else None)  # fmt: skip
+    return subprocess.run(
+        command, input=stdin, capture_output=True, timeout=timeout, preexec_fn=limit if limit_file_size else None
+    )
 
 
 def one_error_line(stderr: bytes) -> str:
@@ -338,28 +390,49 @@ def test_a_full_disk_leaves_no_partial_file(workspace, script, args, output):
 
 def test_interactive_reports_a_bad_line_and_goes_on(tiny_checkpoint):
     lines = b"\xff\xfe bad bytes\n" + b"hello\n" + b"x " * 400 + b"\n" + b"again\n"
-    result = run_script("generate.py", "--checkpoint_path", str(tiny_checkpoint), "--interactive",
-                        "--max_new_tokens", "6", "--temperature", "0", stdin=lines)  # fmt: skip
+    result = run_script(
+        "generate.py",
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--interactive",
+        "--max_new_tokens",
+        "6",
+        "--temperature",
+        "0",
+        stdin=lines,
+    )
     stderr = result.stderr.decode()
     assert result.returncode == 0 and "Traceback" not in stderr
     assert "input line 1 is not valid UTF-8" in stderr and "does not fit" in stderr  # the long line: refused
     model, tokenizer = generate.load_model(tiny_checkpoint), load_tokenizer(tiny_checkpoint)
 
     def reply(text):
-        return generate.generate(model, tokenizer.encode(text), 6, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids).texts[0]
+        return generate.generate(
+            model, tokenizer.encode(text), 6, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids
+        ).texts[0]
 
     first = reply("hello")
     assert result.stdout.decode() == first + "\n" + reply("hello\n" + first + "\nagain") + "\n"
 
 
 def test_ctrl_c_exits_130_quietly(tiny_checkpoint):
-    command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(tiny_checkpoint), "--interactive",
-               "--max_new_tokens", "4", "--temperature", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "generate.py"),
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--interactive",
+        "--max_new_tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]
     # A suite started in the background (`bash scripts/test.sh &`) inherits SIGINT ignored, and so would the
     # command: Python installs its Ctrl-C handler only where SIGINT is not ignored.
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           preexec_fn=default_sigint)  # fmt: skip
+    job = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint
+    )
     try:
         job.stdin.write(b"hello\n")
         job.stdin.flush()

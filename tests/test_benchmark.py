@@ -1,4 +1,5 @@
 """scripts/benchmark.py as a user runs it: one JSON row per configuration, figures that agree with each other."""
+
 import json
 import subprocess
 import sys
@@ -17,18 +18,38 @@ def run_benchmark(*args):
 
 def test_benchmark_rows(tiny_checkpoint, tmp_path):
     chart = tmp_path / "chart.png"
-    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "eager:float32,eager:int8:fused",
-                           "--draft", str(tiny_checkpoint), "--rounds", "2", "--prompt_length", "8",
-                           "--new_tokens", "6", "--json", "--chart", str(chart))  # fmt: skip
+    result = run_benchmark(
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--configs",
+        "eager:float32,eager:int8:fused",
+        "--draft",
+        str(tiny_checkpoint),
+        "--rounds",
+        "2",
+        "--prompt_length",
+        "8",
+        "--new_tokens",
+        "6",
+        "--json",
+        "--chart",
+        str(chart),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    png = chart.read_bytes()  # a PNG image (signature, then the IHDR chunk's width and height) of 10 x 5.5 in at 110 dpi
+    png = (
+        chart.read_bytes()
+    )  # a PNG image (signature, then the IHDR chunk's width and height) of 10 x 5.5 in at 110 dpi
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (1100, 605)
     assert [p.name for p in tmp_path.iterdir()] == ["chart.png"]  # no temporary file left
     report = json.loads(result.stdout.strip().splitlines()[-1])
     rows = {row["config"]: row for row in report["rows"]}
-    assert list(rows) == ["ours eager float32 (library)", "ours eager float32 (library) + draft (k=4)",
-                          "ours eager int8 (fused)", "ours eager int8 (fused) + draft (k=4)"]  # fmt: skip
+    assert list(rows) == [
+        "ours eager float32 (library)",
+        "ours eager float32 (library) + draft (k=4)",
+        "ours eager int8 (fused)",
+        "ours eager int8 (fused) + draft (k=4)",
+    ]
     assert "| ours eager int8 (fused) |" in result.stdout  # the markdown table
     assert report["cpu"].endswith(f"ATen {torch.backends.cpu.get_cpu_capability()}")
     for row in rows.values():
@@ -41,7 +62,9 @@ def test_benchmark_rows(tiny_checkpoint, tmp_path):
     row = rows["ours eager float32 (library)"]
     assert row["weights_mb_per_token"] == pytest.approx(read / 1e6)
     assert row["achieved_gb_s"] * 1e9 / row["decode_tokens_per_s"] == pytest.approx(read, rel=1e-3)
-    assert row["mbu"] * report["copy_bandwidth_gb_s"] * 1e9 / row["decode_tokens_per_s"] == pytest.approx(read, rel=1e-3)
+    assert row["mbu"] * report["copy_bandwidth_gb_s"] * 1e9 / row["decode_tokens_per_s"] == pytest.approx(
+        read, rel=1e-3
+    )
     # int8 weights: about a quarter of the float32 bytes (plus float32 scales, norms and the embedding row)
     int8, float32 = rows["ours eager int8 (fused)"], rows["ours eager float32 (library)"]
     assert int8["weights_mb_per_token"] < 0.45 * float32["weights_mb_per_token"]
@@ -68,8 +91,10 @@ def test_chart_sets_each_precision_beside_its_comparable_peers():
     draft = entry("ours compiled float32 + draft (k=4)", "float32", True)
     q41, q80, hf = entry("llama.cpp Q4_1"), entry("llama.cpp Q8_0"), entry("transformers eager float32")
     groups = chart_bars([f32, draft, int4, q41, q80, hf])
-    assert groups == {"float32": [("ours compiled", f32), ("transformers eager", hf)],
-                      "int4": [("ours eager", int4), ("llama.cpp", q41)]}  # fmt: skip
+    assert groups == {
+        "float32": [("ours compiled", f32), ("transformers eager", hf)],
+        "int4": [("ours eager", int4), ("llama.cpp", q41)],
+    }
 
 
 def test_chart_needs_an_existing_folder(tmp_path):
@@ -81,8 +106,20 @@ def test_start_times_generate_in_new_processes(tiny_checkpoint):
     """--start runs generate.py --compile twice per compiled config (empty inductor cache, then filled), int8 from
     a checkpoint quantized in a temporary folder: the user's folder gains no file."""
     before = sorted(p.name for p in tiny_checkpoint.iterdir())
-    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", "compiled:int8", "--start",
-                           "--rounds", "1", "--prompt_length", "4", "--new_tokens", "4", "--json")  # fmt: skip
+    result = run_benchmark(
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--configs",
+        "compiled:int8",
+        "--start",
+        "--rounds",
+        "1",
+        "--prompt_length",
+        "4",
+        "--new_tokens",
+        "4",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert row["first_start_s"] > 0 and row["start_s"] > 0 and row["compile_s"] > 0

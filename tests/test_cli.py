@@ -1,4 +1,5 @@
 """generate.py as a user runs it: JSON output, batches from a file, streaming, a conversation on a pipe (bad input: test_bad_inputs.py)."""
+
 import json
 import os
 import subprocess
@@ -24,8 +25,17 @@ def run_cli(*args, stdin=None, env=None):
 
 def test_json_output_equals_python_api(tiny_checkpoint):
     start = time.perf_counter()
-    result = run_cli("--checkpoint_path", str(tiny_checkpoint / "model.pth"), "--prompt", "The quick brown",
-                     "--max_new_tokens", "20", "--temperature", "0", "--json")  # fmt: skip
+    result = run_cli(
+        "--checkpoint_path",
+        str(tiny_checkpoint / "model.pth"),
+        "--prompt",
+        "The quick brown",
+        "--max_new_tokens",
+        "20",
+        "--temperature",
+        "0",
+        "--json",
+    )
     wall = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -47,14 +57,28 @@ def test_json_output_equals_python_api(tiny_checkpoint):
 
 def test_several_prompts_are_one_batch(tiny_checkpoint, tmp_path):
     (tmp_path / "prompts.txt").write_text("second one\n\nthird, a longer prompt\n")
-    result = run_cli("--checkpoint_path", str(tiny_checkpoint), "--prompt", "first", "--prompts_file",
-                     str(tmp_path / "prompts.txt"), "--max_new_tokens", "12", "--temperature", "0",
-                     "--logprobs", "2", "--json")  # fmt: skip
+    result = run_cli(
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--prompt",
+        "first",
+        "--prompts_file",
+        str(tmp_path / "prompts.txt"),
+        "--max_new_tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--logprobs",
+        "2",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     tokenizer = load_tokenizer(tiny_checkpoint)
     prompts = [tokenizer.encode(p) for p in ("first", "second one", "third, a longer prompt")]
-    expected = gen.generate(gen.load_model(tiny_checkpoint), prompts, 12, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids)
+    expected = gen.generate(
+        gen.load_model(tiny_checkpoint), prompts, 12, tokenizer=tokenizer, eos_ids=tokenizer.eos_ids
+    )
     assert report["outputs"] == expected.texts
     assert report["stats"]["prompt_tokens"] == [len(p) for p in prompts]
     assert [[e["token"] for e in row] for row in report["logprobs"]] == expected.tokens
@@ -62,8 +86,16 @@ def test_several_prompts_are_one_batch(tiny_checkpoint, tmp_path):
 
 def test_interactive_conversation_from_a_pipe(tiny_checkpoint):
     turns = ["first message", "", "second message", "/reset", "third message"]
-    result = run_cli("--checkpoint_path", str(tiny_checkpoint), "--interactive", "--max_new_tokens", "6",
-                     "--temperature", "0", stdin="\n".join(turns) + "\n")  # fmt: skip
+    result = run_cli(
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--interactive",
+        "--max_new_tokens",
+        "6",
+        "--temperature",
+        "0",
+        stdin="\n".join(turns) + "\n",
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     # Without a chat template the conversation is the messages joined by newlines; /reset forgets it.
@@ -102,7 +134,9 @@ def test_gpt2_continues_piped_text_and_converses(tmp_path, tiny_tokenizer_json):
     first = continuation("The quick", 10)
     assert talk.stdout == first + "\n" + continuation("The quick\n" + first + "\ndef main():", 10) + "\n"
     bad = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], input=b"caf\xe9\n", capture_output=True)
-    assert bad.returncode != 0 and bad.stderr.decode().strip().splitlines() == ["error: stdin is not valid UTF-8 (byte 3)"]
+    assert bad.returncode != 0 and bad.stderr.decode().strip().splitlines() == [
+        "error: stdin is not valid UTF-8 (byte 3)"
+    ]
 
 
 AVX2_PATHS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

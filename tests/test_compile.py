@@ -1,4 +1,5 @@
 """The compiled decode step: the tokens of eager, for batches too, with no recompilation across steps or sampling values."""
+
 import pytest
 import torch
 import torch._dynamo
@@ -33,8 +34,16 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
     # Sampling compiles one more graph; new values of every setting reuse it.
     generate(model, PROMPTS, 3, steps=steps, sampling=SamplingParams(temperature=0.7, seed=0))
     graphs = counters["stats"]["unique_graphs"]
-    settings = SamplingParams(temperature=1.3, top_k=5, top_p=0.8, min_p=0.05, repetition_penalty=1.2,
-                              presence_penalty=0.5, frequency_penalty=0.3, seed=1)  # fmt: skip
+    settings = SamplingParams(
+        temperature=1.3,
+        top_k=5,
+        top_p=0.8,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        seed=1,
+    )
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = generate(model, PROMPTS, 30, steps=steps, sampling=settings).tokens
     assert counters["stats"]["unique_graphs"] == graphs == 2 and not counters["graph_break"]

@@ -1,4 +1,5 @@
 """Converters: HF weight layouts, GGUF tensor types, atomic output, and refusal of unsafe pickles."""
+
 import os
 import pickle
 
@@ -23,7 +24,11 @@ def logits_of(model, x):
 
 @pytest.mark.parametrize(
     "save_kwargs",
-    [{"max_shard_size": "60KB"}, {"safe_serialization": False}, {"safe_serialization": False, "max_shard_size": "60KB"}],
+    [
+        {"max_shard_size": "60KB"},
+        {"safe_serialization": False},
+        {"safe_serialization": False, "max_shard_size": "60KB"},
+    ],
     ids=["sharded-safetensors", "pytorch_model.bin", "sharded-bin"],
 )
 def test_hf_weight_formats(tmp_path, tiny_tokenizer_json, save_kwargs):
@@ -83,7 +88,9 @@ def test_booby_trapped_pickle_is_refused(tmp_path, tiny_checkpoint, monkeypatch,
         load_model(folder / "model.pth")
     assert not (tmp_path / "pwned").exists()
     # The trap is live: a load that allows code would have run it.
-    torch.load(folder / "model.pth", weights_only=False) if writer == "torch.save" else pickle.loads((folder / "model.pth").read_bytes())
+    torch.load(folder / "model.pth", weights_only=False) if writer == "torch.save" else pickle.loads(
+        (folder / "model.pth").read_bytes()
+    )
     assert (tmp_path / "pwned").exists()
 
 
@@ -149,11 +156,20 @@ def test_gguf_k_quant_layout(tmp_path, type_name, block_bytes, scale_offsets):
 
 
 # How llama.cpp's converter names a block's tensors (Hugging Face name -> GGUF name).
-GGUF_BLOCK_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-                    "self_attn.k_norm": "attn_k_norm", "pre_feedforward_layernorm": "ffn_norm",
-                    "post_feedforward_layernorm": "post_ffw_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                    "mlp.down_proj": "ffn_down"}  # fmt: skip
+GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def write_hf_as_gguf(path, hf, arch: str, tensor_type):
@@ -165,10 +181,16 @@ def write_hf_as_gguf(path, hf, arch: str, tensor_type):
     c, gemma = hf.config, arch == "gemma3"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
-    for key, value in {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
-                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
-                       "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-                       "attention.key_length": head_dim, "attention.value_length": head_dim}.items():  # fmt: skip
+    for key, value in {
+        "block_count": c.num_hidden_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+    }.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
@@ -182,7 +204,11 @@ def write_hf_as_gguf(path, hf, arch: str, tensor_type):
         module, kind = name.rsplit(".", 1)
         if module.startswith("model.layers."):
             _, _, i, rest = module.split(".", 3)
-            ggml = "post_attention_norm" if rest == "post_attention_layernorm" and gemma else GGUF_BLOCK_NAMES.get(rest, "ffn_norm")
+            ggml = (
+                "post_attention_norm"
+                if rest == "post_attention_layernorm" and gemma
+                else GGUF_BLOCK_NAMES.get(rest, "ffn_norm")
+            )
             module = f"blk.{i}.{ggml}"
         elif name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -201,11 +227,23 @@ def write_hf_as_gguf(path, hf, arch: str, tensor_type):
 
 GGUF_FAMILIES = {  # six layers: the Gemma 3 pattern GGUF files imply (five sliding, one global)
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(num_key_value_heads=2)),
-    "gemma3": (transformers.Gemma3ForCausalLM, transformers.Gemma3TextConfig, dict(
-        num_hidden_layers=6, sliding_window=8, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
-        tie_word_embeddings=True, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
-}  # fmt: skip
+    "gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        dict(
+            num_hidden_layers=6,
+            sliding_window=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+}
 
 
 @pytest.mark.numerics
@@ -241,18 +279,37 @@ def test_gguf_families_match_transformers(tmp_path, tiny_tokenizer_json, arch):
 
 # Older config.json files, without the layer_types and rope_parameters that transformers 5 writes: the converter
 # must read them as transformers does (its config classes are the reference here).
-BASE = dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-            vocab_size=320, max_position_embeddings=256)  # fmt: skip
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=320,
+    max_position_embeddings=256,
+)
 HUB_CONFIGS = {
     "gemma2": dict(BASE, model_type="gemma2", head_dim=32, sliding_window=8, rope_theta=10000.0),
-    "gemma3": dict(BASE, model_type="gemma3_text", head_dim=32, sliding_window=8, sliding_window_pattern=3,
-                   rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}),
+    "gemma3": dict(
+        BASE,
+        model_type="gemma3_text",
+        head_dim=32,
+        sliding_window=8,
+        sliding_window_pattern=3,
+        rope_theta=1e6,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
     "qwen2_unused_window": dict(BASE, model_type="qwen2", use_sliding_window=False, sliding_window=4096),
     "qwen2_window": dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2),
     "mistral": dict(BASE, model_type="mistral", sliding_window=4096),
-    "phi3_su": dict(BASE, model_type="phi3", original_max_position_embeddings=64,
-                    rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
-}  # fmt: skip
+    "phi3_su": dict(
+        BASE,
+        model_type="phi3",
+        original_max_position_embeddings=64,
+        rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    ),
+}
 
 
 @pytest.mark.parametrize("name", HUB_CONFIGS)
@@ -264,7 +321,9 @@ def test_hub_configs_read_as_transformers_reads_them(name):
 
     raw = HUB_CONFIGS[name]
     if name == "phi3_su":  # transformers 5.23 reads the length only inside rope_scaling; Phi-3's files have it outside
-        reference = AutoConfig.for_model(**dict(raw, rope_scaling=dict(raw["rope_scaling"], original_max_position_embeddings=64)))
+        reference = AutoConfig.for_model(
+            **dict(raw, rope_scaling=dict(raw["rope_scaling"], original_max_position_embeddings=64))
+        )
     else:
         reference = AutoConfig.for_model(**raw)
     args = hf_config_to_args(raw)

@@ -1,4 +1,5 @@
 """eval.py's perplexity against a float64 reference computed with transformers on the same tokens."""
+
 import json
 import math
 import subprocess
@@ -47,9 +48,23 @@ def test_perplexity_matches_a_float64_reference(tmp_path, tiny_tokenizer_json):
 
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    result = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--checkpoint_path", str(tmp_path / "ours"),
-                             "--text_file", str(text), "--window", "128", "--max_tokens", "300", "--json"],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "eval.py"),
+            "--checkpoint_path",
+            str(tmp_path / "ours"),
+            "--text_file",
+            str(text),
+            "--window",
+            "128",
+            "--max_tokens",
+            "300",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     scored = load_tokenizer(tmp_path / "ours").encode(text.read_text())[-300:]

@@ -1,6 +1,7 @@
 """Every model family against transformers: a tiny random model of each, with the family's distinctive features
 switched on, converted from its save_pretrained folder (logits, the KV cache, greedy generation, padded batches,
 quantization)."""
+
 import pytest
 import torch
 import transformers as tf
@@ -24,31 +25,79 @@ HEAD_DIM_16 = 8  # rotary pairs of a 16-wide head
 def longrope(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     short, long = 1 + torch.rand(HEAD_DIM_16, generator=g), 2 + 6 * torch.rand(HEAD_DIM_16, generator=g)
-    return {"rope_type": "longrope", "short_factor": short.tolist(), "long_factor": long.tolist(), "rope_theta": 10000.0}
+    return {
+        "rope_type": "longrope",
+        "short_factor": short.tolist(),
+        "long_factor": long.tolist(),
+        "rope_theta": 10000.0,
+    }
 
 
 # (model class, config class, overrides of make_hf_llama's tiny Llama settings)
 FAMILIES = {
-    "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=None,
-                                                             tie_word_embeddings=True)),
+    "gpt2": (
+        tf.GPT2LMHeadModel,
+        tf.GPT2Config,
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=None, tie_word_embeddings=True),
+    ),
     "gemma": (tf.GemmaForCausalLM, tf.GemmaConfig, dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)),
-    "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config, dict(
-        num_hidden_layers=3, num_key_value_heads=2, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-        attn_logit_softcapping=8.0, final_logit_softcapping=4.0, tie_word_embeddings=False)),
-    "gemma3": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig, dict(
-        hidden_size=32, seed=2, num_hidden_layers=3, sliding_window_pattern=3, sliding_window=8, num_key_value_heads=2, head_dim=32,
-        query_pre_attn_scalar=32, tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "gemma2": (
+        tf.Gemma2ForCausalLM,
+        tf.Gemma2Config,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=8.0,
+            final_logit_softcapping=4.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma3": (
+        tf.Gemma3ForCausalLM,
+        tf.Gemma3TextConfig,
+        dict(
+            hidden_size=32,
+            seed=2,
+            num_hidden_layers=3,
+            sliding_window_pattern=3,
+            sliding_window=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
     "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
-    "qwen2_sliding": (tf.Qwen2ForCausalLM, tf.Qwen2Config, dict(
-        num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen2_sliding": (
+        tf.Qwen2ForCausalLM,
+        tf.Qwen2Config,
+        dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
     "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(num_key_value_heads=2, sliding_window=8)),
-    "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config, dict(
-        num_key_value_heads=2, sliding_window=16, original_max_position_embeddings=64, rope_parameters=longrope(0),
-        pad_token_id=0)),
-    "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-}  # fmt: skip
+    "phi3": (
+        tf.Phi3ForCausalLM,
+        tf.Phi3Config,
+        dict(
+            num_key_value_heads=2,
+            sliding_window=16,
+            original_max_position_embeddings=64,
+            rope_parameters=longrope(0),
+            pad_token_id=0,
+        ),
+    ),
+    "mixtral": (
+        tf.MixtralForCausalLM,
+        tf.MixtralConfig,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    ),
+}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -183,11 +232,30 @@ def test_speculative_decoding_with_a_quantized_draft(family):
 def test_gemma3_multimodal_folder_converts_to_its_language_model(tmp_path, tiny_tokenizer_json):
     """A gemma3 folder (language model and vision tower): the converter keeps the language model, whose
     logits on text are the multimodal model's."""
-    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                intermediate_size=64, vocab_size=TINY_VOCAB, sliding_window=8, max_position_embeddings=128)  # fmt: skip
-    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28, patch_size=14)
-    hf = make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, tf.Gemma3ForConditionalGeneration, tf.Gemma3Config,
-                       norm_noise=0.1, text_config=text, vision_config=vision, mm_tokens_per_image=4)  # fmt: skip
+    text = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=TINY_VOCAB,
+        sliding_window=8,
+        max_position_embeddings=128,
+    )
+    vision = dict(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28, patch_size=14
+    )
+    hf = make_hf_llama(
+        tmp_path / "hf",
+        tiny_tokenizer_json,
+        tf.Gemma3ForConditionalGeneration,
+        tf.Gemma3Config,
+        norm_noise=0.1,
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+    )
     config = convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
     assert config.qk_norm and config.post_norms and config.sliding_window == 8
     model = load_model(tmp_path / "ours")

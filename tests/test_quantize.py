@@ -1,4 +1,5 @@
 """Quantization: kernels against float64, exact round trips, GPTQ against round-to-nearest, checkpoints end to end."""
+
 import json
 import shutil
 import subprocess
@@ -85,8 +86,10 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
 def quantized_checkpoints(tiny_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("q") / "tiny"
     shutil.copytree(tiny_checkpoint, folder)
-    paths = {mode: qz.quantize_checkpoint(folder / "model.pth", mode, 32, calibration_samples=4, calibration_seq_length=64)
-             for mode in qz.MODES}  # fmt: skip
+    paths = {
+        mode: qz.quantize_checkpoint(folder / "model.pth", mode, 32, calibration_samples=4, calibration_seq_length=64)
+        for mode in qz.MODES
+    }
     return folder, paths
 
 
@@ -110,7 +113,9 @@ def test_quantized_checkpoints_load_and_stay_close(quantized_checkpoints):
 
 
 def run_generate(*args):
-    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), *args], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -131,15 +136,28 @@ def test_quantized_checkpoints_generate_eager_and_compiled(quantized_checkpoints
     kernels = Kernels.choose(torch.device("cpu"), compiled=False, matvec=matvec)  # as the command line below
     steps = compile_steps(torch.device("cpu"))
     for mode, path in paths.items():
-        cli = run_generate("--checkpoint_path", str(path), "--prompt", "The quick", "--max_new_tokens", "20",
-                           "--temperature", "0", "--kernels", matvec, "--json")  # fmt: skip
+        cli = run_generate(
+            "--checkpoint_path",
+            str(path),
+            "--prompt",
+            "The quick",
+            "--max_new_tokens",
+            "20",
+            "--temperature",
+            "0",
+            "--kernels",
+            matvec,
+            "--json",
+        )
         assert cli["stats"]["new_tokens"] == [20] and cli["stats"]["kernels"]["quant_matvec"] == matvec, mode
         model = load_model(path, kernels=kernels)
         eager = generate(model, prompt, 20).tokens[0]
         compiled = generate(model, prompt, 20, steps=steps).tokens[0]
         assert_same_greedy(model, prompt, compiled, eager, SAME_PATH[matvec])
         assert cli["tokens"][0] == eager  # the command line runs the same eager path
-        other = load_model(path, kernels=Kernels.choose(torch.device("cpu"), False, "fused" if matvec == "library" else "library"))
+        other = load_model(
+            path, kernels=Kernels.choose(torch.device("cpu"), False, "fused" if matvec == "library" else "library")
+        )
         assert_same_greedy(other, prompt, generate(other, prompt, 20).tokens[0], eager, BFLOAT16_VS_FLOAT32)
 
 

@@ -1,4 +1,5 @@
 """SmolLM2-135M-Instruct, prepared by scripts/prepare.sh, against transformers loading the same GGUF file."""
+
 import pytest
 import torch
 from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_greedy
@@ -63,8 +64,11 @@ def quantized_smollm2(request):
     """The default model quantized in memory (round to nearest), once per kernel choice."""
     kind, groupsize = request.param
     float_model, tokenizer = load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
-    choices = {"library": Kernels.choose(CPU, False, "library"), "fused": Kernels.choose(CPU, False, "fused"),
-               "compiled": Kernels.choose(CPU, True)}  # the last: what generate.py --compile picks on this CPU  # fmt: skip
+    choices = {
+        "library": Kernels.choose(CPU, False, "library"),
+        "fused": Kernels.choose(CPU, False, "fused"),
+        "compiled": Kernels.choose(CPU, True),
+    }  # the last: what generate.py --compile picks on this CPU
     models = {name: quantize_model(float_model, kind, groupsize or 32, k) for name, k in choices.items()}
     return models, [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
 

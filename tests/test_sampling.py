@@ -1,4 +1,5 @@
 """Sampling against a float64 reference, and its determinism."""
+
 import numpy as np
 import pytest
 import torch
@@ -35,9 +36,19 @@ def knobs(**values):
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p",
-    [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 50, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.8, 0, 0.5, 0.0),
-     (1.0, 20, 0.8, 0.0), (2.0, 3, 0.3, 0.0), (1.0, 0, 1.0, 0.05), (0.5, 0, 1.0, 0.3), (1.5, 100, 0.95, 0.02)],
-)  # fmt: skip
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.3, 50, 1.0, 0.0),
+        (1.0, 0, 0.9, 0.0),
+        (0.8, 0, 0.5, 0.0),
+        (1.0, 20, 0.8, 0.0),
+        (2.0, 3, 0.3, 0.0),
+        (1.0, 0, 1.0, 0.05),
+        (0.5, 0, 1.0, 0.3),
+        (1.5, 100, 0.95, 0.02),
+    ],
+)
 def test_probabilities_match_float64_reference(temperature, top_k, top_p, min_p):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 1000, generator=generator) * 3
@@ -60,7 +71,10 @@ def reference_penalties(logits, prompt, output, repetition, presence, frequency)
     return out
 
 
-@pytest.mark.parametrize("repetition,presence,frequency", [(1.3, 0.0, 0.0), (0.7, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.4), (1.2, 0.3, 0.2)])
+@pytest.mark.parametrize(
+    "repetition,presence,frequency",
+    [(1.3, 0.0, 0.0), (0.7, 0.0, 0.0), (1.0, 0.5, 0.0), (1.0, 0.0, 0.4), (1.2, 0.3, 0.2)],
+)
 def test_penalties_match_float64_reference(repetition, presence, frequency):
     rng = np.random.default_rng(0)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 2

@@ -1,4 +1,5 @@
 """server.py: the OpenAI API through the official client, continuous batching, disconnects, bad input, the chat page."""
+
 import json
 import queue
 import shutil
@@ -23,10 +24,28 @@ from tokenizer import load_tokenizer
 
 KEY = "test-key"
 # A template of the ChatML kind: the tiny tokenizer has no chat template of its own.
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")  # fmt: skip
-PROMPTS = ["The quick brown", "def main():", "Naïve café", "日本語", "emoji 🙂", "1234", "return {'key'", "fox jumps",
-           "русский", "Ελληνικά", "lazy dog.", "numbers", "def", "x = 1", "The", "ab"]  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+PROMPTS = [
+    "The quick brown",
+    "def main():",
+    "Naïve café",
+    "日本語",
+    "emoji 🙂",
+    "1234",
+    "return {'key'",
+    "fox jumps",
+    "русский",
+    "Ελληνικά",
+    "lazy dog.",
+    "numbers",
+    "def",
+    "x = 1",
+    "The",
+    "ab",
+]
 
 
 def free_port() -> int:
@@ -38,8 +57,12 @@ def free_port() -> int:
 def start_server(checkpoint: Path, log_folder: Path, *flags: str):
     port = free_port()
     log = open(log_folder / f"server-{port}.log", "w+")
-    process = subprocess.Popen([sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(checkpoint),
-                                "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(checkpoint), "--port", str(port), *flags],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -71,8 +94,9 @@ def chat_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(chat_checkpoint):
-    process, url, log = start_server(chat_checkpoint / "model.pth", chat_checkpoint.parent, "--max_batch_size", "16",
-                                     "--api_key", KEY)  # fmt: skip
+    process, url, log = start_server(
+        chat_checkpoint / "model.pth", chat_checkpoint.parent, "--max_batch_size", "16", "--api_key", KEY
+    )
     yield url, log
     stop_server(process, log)
 
@@ -115,8 +139,16 @@ def test_openai_client_chat_and_completions(server, reference, chat_checkpoint):
     answer = api.chat.completions.create(model=model_name, messages=messages, max_tokens=24, temperature=0)
     assert answer.choices[0].message.content == expected and answer.choices[0].finish_reason == reason
     assert answer.usage.prompt_tokens == len(encode_conversation(tokenizer, messages))
-    chunks = list(api.chat.completions.create(model=model_name, messages=messages, max_tokens=24, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        api.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
     assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
@@ -129,9 +161,25 @@ def test_openai_client_chat_and_completions(server, reference, chat_checkpoint):
     assert "".join(c.choices[0].text for c in streamed) == expected
 
     # generate.py itself, greedy, the same prompt: the same text.
-    out = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(chat_checkpoint),
-                          "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "20", "--json"],
-                         capture_output=True, text=True, cwd=ROOT, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "generate.py"),
+            "--checkpoint_path",
+            str(chat_checkpoint),
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+            "--max_new_tokens",
+            "20",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
     assert json.loads(out.stdout.splitlines()[-1])["outputs"] == [expected]
 
 
@@ -140,9 +188,15 @@ def test_sampling_fields(server, reference):
     api = client(url)
     _, tokenizer = reference
     # Stop strings: the text ends before the first one, the reason is "stop".
-    full = api.completions.create(model="tiny-chat", prompt="The quick brown", max_tokens=24, temperature=0).choices[0].text
+    full = (
+        api.completions.create(model="tiny-chat", prompt="The quick brown", max_tokens=24, temperature=0)
+        .choices[0]
+        .text
+    )
     cut = full[3:6]
-    stopped = api.completions.create(model="tiny-chat", prompt="The quick brown", max_tokens=24, temperature=0, stop=[cut, "\x00"])
+    stopped = api.completions.create(
+        model="tiny-chat", prompt="The quick brown", max_tokens=24, temperature=0, stop=[cut, "\x00"]
+    )
     assert stopped.choices[0].text == full[: full.index(cut)] and stopped.choices[0].finish_reason == "stop"
     # A seed repeats a sample; n choices of one seeded request differ from each other.
     sample = dict(model="tiny-chat", prompt="The", max_tokens=16, temperature=1.5, top_p=0.95, seed=7)
@@ -151,16 +205,36 @@ def test_sampling_fields(server, reference):
     assert [c.text for c in first.choices] == [c.text for c in again.choices]
     assert len({c.text for c in first.choices}) > 1 and [c.index for c in first.choices] == [0, 1, 2]
     # Log-probs: the chosen token's, and the top ones in order, from the model's distribution.
-    lp = api.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "1234"}], max_tokens=4,
-                                     temperature=0, logprobs=True, top_logprobs=3).choices[0].logprobs.content  # fmt: skip
+    lp = (
+        api.chat.completions.create(
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "1234"}],
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+        )
+        .choices[0]
+        .logprobs.content
+    )
     assert len(lp) >= 1
     for entry in lp:
         tops = [t.logprob for t in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob == pytest.approx(tops[0])
     # Penalties change a greedy continuation that repeats itself.
     plain = api.completions.create(model="tiny-chat", prompt="1234", max_tokens=24, temperature=0).choices[0].text
-    penalized = api.completions.create(model="tiny-chat", prompt="1234", max_tokens=24, temperature=0,
-                                       frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5}).choices[0].text  # fmt: skip
+    penalized = (
+        api.completions.create(
+            model="tiny-chat",
+            prompt="1234",
+            max_tokens=24,
+            temperature=0,
+            frequency_penalty=2.0,
+            extra_body={"repetition_penalty": 1.5},
+        )
+        .choices[0]
+        .text
+    )
     assert plain != penalized
 
 
@@ -173,11 +247,15 @@ def test_next_chat_turn_reuses_the_slot_that_holds_its_conversation(server, refe
     api = client(url)
     first = [{"role": "user", "content": "fox jumps"}]
     reply = api.chat.completions.create(model="tiny-chat", messages=first, max_tokens=12, temperature=0)
-    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
-                      {"role": "user", "content": "lazy dog."}]  # fmt: skip
+    second = first + [
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "lazy dog."},
+    ]
     ids1, ids2 = encode_conversation(tokenizer, first), encode_conversation(tokenizer, second)
     # The slot holds the first prompt and every reply token but the last (never fed back).
-    held = ids1 + generate(model, ids1, 12, eos_ids=tokenizer.eos_ids).raw_tokens[0][: reply.usage.completion_tokens - 1]
+    held = (
+        ids1 + generate(model, ids1, 12, eos_ids=tokenizer.eos_ids).raw_tokens[0][: reply.usage.completion_tokens - 1]
+    )
     reused = next(i for i in range(len(ids2)) if i == len(ids2) - 1 or i == len(held) or ids2[i] != held[i])
     assert reused >= len(ids1), "the template should render the first turn's prompt alike in the second"
     expected, reason = greedy_reference(reference, ids2, 12)
@@ -197,8 +275,9 @@ def test_concurrent_streams_each_equal_alone_and_a_late_one_starts_early(server,
 
     def run(i, prompt, max_tokens):
         pieces = []
-        for chunk in client(url).completions.create(model="tiny-chat", prompt=prompt, max_tokens=max_tokens,
-                                                     temperature=0, stream=True):  # fmt: skip
+        for chunk in client(url).completions.create(
+            model="tiny-chat", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        ):
             if chunk.choices[0].text and i not in times:
                 times[i] = time.perf_counter()
             pieces.append(chunk.choices[0].text)
@@ -224,21 +303,32 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
     chat, text = url + "/v1/chat/completions", url + "/v1/completions"
     user = [{"role": "user", "content": "hi"}]
     cases = [
-        (text, b"{not json", None), (text, b"[1, 2]", None), (text, b'"text"', None),
-        (text, {"prompt": "x", "model": "gpt-4"}, "model"), (text, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        (text, {"prompt": "x", "max_tokens": 10**6}, "max_tokens"), (chat, {"messages": user, "max_completion_tokens": -1}, "max_completion_tokens"),
-        (text, {"prompt": "x", "temperature": -0.5}, "temperature"), (text, {"prompt": "x", "top_p": 0}, "top_p"),
-        (text, {"prompt": "x", "top_p": 1.5}, "top_p"), (text, {"prompt": "x", "n": 0}, "n"),
-        (chat, {"messages": []}, "messages"), (chat, {"messages": "hi"}, "messages"),
+        (text, b"{not json", None),
+        (text, b"[1, 2]", None),
+        (text, b'"text"', None),
+        (text, {"prompt": "x", "model": "gpt-4"}, "model"),
+        (text, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (text, {"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+        (chat, {"messages": user, "max_completion_tokens": -1}, "max_completion_tokens"),
+        (text, {"prompt": "x", "temperature": -0.5}, "temperature"),
+        (text, {"prompt": "x", "top_p": 0}, "top_p"),
+        (text, {"prompt": "x", "top_p": 1.5}, "top_p"),
+        (text, {"prompt": "x", "n": 0}, "n"),
+        (chat, {"messages": []}, "messages"),
+        (chat, {"messages": "hi"}, "messages"),
         (chat, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         (chat, {"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content"),
-        (text, {"prompt": "x " * 400}, "prompt"), (text, {"prompt": "x", "stop": ["a"] * 17}, "stop"),
-        (text, {"prompt": "x", "stop": [""]}, "stop"), (text, {"prompt": "x", "temperature": "hot"}, "temperature"),
-        (text, {"prompt": "x", "logprobs": 6}, "logprobs"), (chat, {"messages": user, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-        (text, {"prompt": [[1, 99999]]}, "prompt"), (text, {}, "prompt"),
+        (text, {"prompt": "x " * 400}, "prompt"),
+        (text, {"prompt": "x", "stop": ["a"] * 17}, "stop"),
+        (text, {"prompt": "x", "stop": [""]}, "stop"),
+        (text, {"prompt": "x", "temperature": "hot"}, "temperature"),
+        (text, {"prompt": "x", "logprobs": 6}, "logprobs"),
+        (chat, {"messages": user, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        (text, {"prompt": [[1, 99999]]}, "prompt"),
+        (text, {}, "prompt"),
         (chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (text, {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
-    ]  # fmt: skip
+    ]
     for endpoint, body, param in cases:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(endpoint, content=data, headers=auth | {"Content-Type": "application/json"})
@@ -265,8 +355,11 @@ def test_disconnect_frees_the_slot_and_a_full_queue_answers_429(tmp_path):
                 lines = stream.iter_lines()
                 assert next(lines).startswith("data: ")
                 waiting = queue.Queue()
-                second = threading.Thread(target=lambda: waiting.put(httpx.post(
-                    url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)))  # fmt: skip
+                second = threading.Thread(
+                    target=lambda: waiting.put(
+                        httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+                    )
+                )
                 second.start()
                 while httpx.get(url + "/health").json()["waiting"] == 0:
                     time.sleep(0.05)
@@ -311,8 +404,10 @@ def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
 def run_wave(engine, tokenizer, prompts, lengths, params) -> list[str]:
     """Submits one choice per prompt (text or token ids) to a running engine at once; their texts."""
     events = queue.Queue()
-    choices = [Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put)
-               for i, (p, n, q) in enumerate(zip(prompts, lengths, params))]  # fmt: skip
+    choices = [
+        Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put)
+        for i, (p, n, q) in enumerate(zip(prompts, lengths, params))
+    ]
     engine.submit(choices)
     texts, done = [""] * len(choices), 0
     while done < len(choices):
@@ -327,7 +422,9 @@ def run_wave(engine, tokenizer, prompts, lengths, params) -> list[str]:
 def unrelated_draft(tiny_tokenizer_json, tmp_path_factory) -> Path:
     """A smaller random model with the tiny one's tokenizer: its drafts are mostly rejected."""
     folder = tmp_path_factory.mktemp("draft")
-    make_hf_llama(folder / "hf", tiny_tokenizer_json, seed=7, num_hidden_layers=1, num_key_value_heads=1, hidden_size=32)
+    make_hf_llama(
+        folder / "hf", tiny_tokenizer_json, seed=7, num_hidden_layers=1, num_key_value_heads=1, hidden_size=32
+    )
     convert_hf_checkpoint(folder / "hf", folder / "draft")
     return folder / "draft" / "model.pth"
 
@@ -345,14 +442,20 @@ def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unr
     engine.thread.start()
     reference = load_model(tiny_checkpoint / "model.pth")
     alone = lambda p, n, q=SamplingParams(): Stream(reference, tokenizer, p, n, sampling=q).run().texts[0]  # noqa: E731
-    greedy, hot, penalized = SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(repetition_penalty=1.3)
+    greedy, hot, penalized = (
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(repetition_penalty=1.3),
+    )
     lengths = [30, 7, 41, 16, 3, 25]
     texts = run_wave(engine, tokenizer, PROMPTS[:6], lengths, [greedy, hot, greedy, greedy, greedy, greedy])
     rounds = engine.speculation.rounds
     plain = run_wave(engine, tokenizer, PROMPTS[6:10], lengths[:4], [greedy, penalized, greedy, greedy])
     assert engine.speculation.rounds > rounds  # once the request with penalties ended
-    assert texts[::2] + texts[3:4] + texts[5:] == [alone(p, n) for p, n in zip(PROMPTS[:6:2] + PROMPTS[3:4] + PROMPTS[5:6],
-                                                                               lengths[::2] + lengths[3:4] + lengths[5:])]
+    assert texts[::2] + texts[3:4] + texts[5:] == [
+        alone(p, n)
+        for p, n in zip(PROMPTS[:6:2] + PROMPTS[3:4] + PROMPTS[5:6], lengths[::2] + lengths[3:4] + lengths[5:])
+    ]
     assert plain == [alone(p, n, q) for p, n, q in zip(PROMPTS[6:10], lengths, [greedy, penalized, greedy, greedy])]
     # Conversations going on: each prompt extends what a slot holds, which is not prefilled again.
     continued = [ids + ids[1:3] for ids in engine.cached if ids][:3]
@@ -366,8 +469,12 @@ def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unr
         for row, held in enumerate(engine.cached):
             for ours, its in zip(model.layers, draft.layers):
                 a, b = ours.attention.kv_cache, its.attention.kv_cache
-                torch.testing.assert_close(b.k_cache[row, :, : len(held) - 1], a.k_cache[row, :, : len(held) - 1], atol=1e-4, rtol=0)
-                torch.testing.assert_close(b.v_cache[row, :, : len(held) - 1], a.v_cache[row, :, : len(held) - 1], atol=1e-4, rtol=0)
+                torch.testing.assert_close(
+                    b.k_cache[row, :, : len(held) - 1], a.k_cache[row, :, : len(held) - 1], atol=1e-4, rtol=0
+                )
+                torch.testing.assert_close(
+                    b.v_cache[row, :, : len(held) - 1], a.v_cache[row, :, : len(held) - 1], atol=1e-4, rtol=0
+                )
     else:
         assert histogram[0] > 0 and sum(histogram[1:]) > 0
 
@@ -386,25 +493,34 @@ def test_compiled_speculative_engine_compiles_only_before_serving(tiny_checkpoin
     assert counters["stats"]["unique_graphs"] == 2 * 2 * 4 and not counters["graph_break"]
     counters.clear()
     engine.thread.start()
-    greedy, hot, penalized = SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(repetition_penalty=1.3)
+    greedy, hot, penalized = (
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(repetition_penalty=1.3),
+    )
     lengths = [140, 9, 230, 30]
     texts = run_wave(engine, tokenizer, PROMPTS[:4], lengths, [greedy, hot, greedy, penalized])
     assert counters["stats"]["unique_graphs"] == 0 and engine.speculation.rounds > 0
     reference = load_model(tiny_checkpoint / "model.pth")
     alone = lambda p, n, q: Stream(reference, tokenizer, p, n, sampling=q).run().texts[0]  # noqa: E731
-    assert texts[::2] + texts[3:] == [alone(p, n, q) for p, n, q in zip(PROMPTS[0:4:2] + PROMPTS[3:4], lengths[::2] + lengths[3:],
-                                                                         [greedy, greedy, penalized])]  # fmt: skip
+    assert texts[::2] + texts[3:] == [
+        alone(p, n, q)
+        for p, n, q in zip(PROMPTS[0:4:2] + PROMPTS[3:4], lengths[::2] + lengths[3:], [greedy, greedy, penalized])
+    ]
 
 
 def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelated_draft, reference, tmp_path):
     """server.py --draft_checkpoint_path: concurrent greedy requests get the model's own greedy texts, from
     speculative rounds (their statistics in /health); a draft with another tokenizer is refused at start."""
-    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--draft_checkpoint_path",
-                                     str(unrelated_draft), "--speculate_k", "3")  # fmt: skip
+    process, url, log = start_server(
+        chat_checkpoint / "model.pth", tmp_path, "--draft_checkpoint_path", str(unrelated_draft), "--speculate_k", "3"
+    )
     try:
         api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         prompts, answers = PROMPTS[:4], queue.Queue()
-        ask = lambda p: answers.put((p, api.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0)))  # noqa: E731
+        ask = lambda p: answers.put(
+            (p, api.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0))
+        )  # noqa: E731
         threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
         for t in threads:
             t.start()
@@ -417,8 +533,19 @@ def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelate
         assert speculation["speculate_k"] == 3 and sum(speculation["accepted_length_histogram"]) > 0
     finally:
         stop_server(process, log)
-    refused = subprocess.run([sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(chat_checkpoint),
-                              "--draft_checkpoint_path", str(SMOLLM2_DIR)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    refused = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "server.py"),
+            "--checkpoint_path",
+            str(chat_checkpoint),
+            "--draft_checkpoint_path",
+            str(SMOLLM2_DIR),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1].startswith("error: the draft")
 
 
@@ -433,9 +560,18 @@ def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
     url, _ = server
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path / 'profile'}", "--window-size=900,700"):  # fmt: skip
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=900,700",
+    ):
         options.add_argument(flag)
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
     try:
@@ -453,8 +589,9 @@ def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
         reply = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")
         assert len(reply) == 1, browser.page_source
         assert browser.find_elements(By.CSS_SELECTOR, ".msg.user")[0].text == "The quick brown"
-        expected = client(url).chat.completions.create(model="tiny-chat", max_tokens=40, temperature=0,
-                                                       messages=[{"role": "user", "content": "The quick brown"}])  # fmt: skip
+        expected = client(url).chat.completions.create(
+            model="tiny-chat", max_tokens=40, temperature=0, messages=[{"role": "user", "content": "The quick brown"}]
+        )
         assert reply[0].get_property("textContent") == expected.choices[0].message.content
         assert len(browser.execute_script("return [...window.shown]")) >= 3, "the reply did not stream"
     finally:

@@ -1,4 +1,5 @@
 """Speculative decoding: greedy output equals the target's, sampled output follows the target's distribution."""
+
 import shutil
 
 import numpy as np
@@ -18,7 +19,9 @@ from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_s
 def pair_files(tiny_checkpoint, tiny_tokenizer_json, tmp_path_factory):
     folder = tmp_path_factory.mktemp("spec")
     shutil.copytree(tiny_checkpoint, folder / "target")
-    make_hf_llama(folder / "hf_draft", tiny_tokenizer_json, seed=7, num_hidden_layers=1, num_key_value_heads=1, hidden_size=32)
+    make_hf_llama(
+        folder / "hf_draft", tiny_tokenizer_json, seed=7, num_hidden_layers=1, num_key_value_heads=1, hidden_size=32
+    )
     convert_hf_checkpoint(folder / "hf_draft", folder / "draft")
     int8 = qz.quantize_checkpoint(folder / "target" / "model.pth", "int8")
     return folder / "target", {"unrelated": folder / "draft", "int8 copy": int8}
@@ -26,7 +29,9 @@ def pair_files(tiny_checkpoint, tiny_tokenizer_json, tmp_path_factory):
 
 def load_pairs(pair_files, kernels=Kernels()):
     target, drafts = pair_files
-    return gen.load_model(target, kernels=kernels), {name: gen.load_model(p, kernels=kernels) for name, p in drafts.items()}
+    return gen.load_model(target, kernels=kernels), {
+        name: gen.load_model(p, kernels=kernels) for name, p in drafts.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,7 @@ def tiny_vocab_model(seed: int, layers: int) -> Transformer:
 
 def exact_marginals(model, prompt) -> tuple[np.ndarray, np.ndarray]:
     """P(2nd new token) and P(3rd new token) in float64, by enumerating the first two."""
+
     def next_probs(prefixes):
         model.setup_caches(len(prefixes), len(prefixes[0]))
         with torch.no_grad():
@@ -103,8 +109,12 @@ def chi_square_rejects(samples: np.ndarray, expected: np.ndarray) -> bool:
     expected = np.append(expected[~small], expected[small].sum())
     observed, expected = observed[expected > 0], expected[expected > 0]
     statistic = ((observed - expected) ** 2 / expected).sum()
-    critical = {d: c for d, c in enumerate([0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59,
-                                            31.26, 32.91, 34.53, 36.12, 37.70])}[len(observed) - 1]  # fmt: skip
+    critical = {
+        d: c
+        for d, c in enumerate(
+            [0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12, 27.88, 29.59, 31.26, 32.91, 34.53, 36.12, 37.70]
+        )
+    }[len(observed) - 1]
     return statistic > critical
 
 
@@ -150,10 +160,15 @@ def test_acceptance_rule_treats_each_row_alone():
     q = torch.softmax(torch.randn(rows, k + 1, vocab, generator=generator) * 2, dim=-1)
     q[:2, :k] = p[:2]  # rows whose drafts the target agrees with: all kept, and a bonus token
     drafted = torch.multinomial(p.view(-1, vocab), 1, generator=generator).view(rows, k)
-    uniforms, noise = torch.rand(rows, k, generator=generator), torch.empty(rows, vocab).exponential_(generator=generator)
+    uniforms, noise = (
+        torch.rand(rows, k, generator=generator),
+        torch.empty(rows, vocab).exponential_(generator=generator),
+    )
     kept, next_token = accept_drafts(drafted, p, q, uniforms, noise)
-    alone = [accept_drafts(drafted[i : i + 1], p[i : i + 1], q[i : i + 1], uniforms[i : i + 1], noise[i : i + 1])
-             for i in range(rows)]  # fmt: skip
+    alone = [
+        accept_drafts(drafted[i : i + 1], p[i : i + 1], q[i : i + 1], uniforms[i : i + 1], noise[i : i + 1])
+        for i in range(rows)
+    ]
     assert kept.tolist() == [int(a[0]) for a in alone] and next_token.tolist() == [int(a[1]) for a in alone]
     assert kept[:2].tolist() == [k, k] and kept[2:].min() < k
 
@@ -162,8 +177,12 @@ def test_verify_step_applies_each_rows_settings(pairs):
     """A server verifies rows of different requests in one pass: each row's distributions are the ones its own
     settings give it alone (temperature 0 among sampled rows: one-hot at the argmax)."""
     target, _ = pairs
-    settings = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(), SamplingParams(temperature=1.3, top_p=0.8),
-                SamplingParams(temperature=1.0, min_p=0.2)]  # fmt: skip
+    settings = [
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.2),
+    ]
     x = torch.tensor([[5, 17, 42], [7, 99, 3], [11, 12, 13], [8, 8, 8]])
     vocab = target.config.vocab_size
     state = row_sampler_state(len(settings), vocab, "cpu")
@@ -173,8 +192,9 @@ def test_verify_step_applies_each_rows_settings(pairs):
     together = gen.verify_step(target, x, torch.arange(3), state, greedy=False)
     for row, params in enumerate(settings):
         target.setup_caches(1, 16)
-        alone = gen.verify_step(target, x[row : row + 1], torch.arange(3), sampler_state(params, [[]], vocab, "cpu"),
-                                greedy=params.greedy)[0]  # fmt: skip
+        alone = gen.verify_step(
+            target, x[row : row + 1], torch.arange(3), sampler_state(params, [[]], vocab, "cpu"), greedy=params.greedy
+        )[0]
         torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=0)
     assert ((together[1] == 0) | (together[1] == 1)).all() and not ((together[0] == 0) | (together[0] == 1)).all()
 

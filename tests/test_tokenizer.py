@@ -1,4 +1,5 @@
 """Each tokenizer format against its reference library, built on the spot; the chat template against transformers."""
+
 import base64
 
 import pytest
@@ -14,10 +15,16 @@ def test_sentencepiece(tmp_path):
 
     (tmp_path / "corpus.txt").write_text(SAMPLE_TEXT * 30)
     spm.SentencePieceTrainer.train(
-        input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "tokenizer"), vocab_size=340, hard_vocab_limit=False,
-        byte_fallback=True, character_coverage=0.98,  # rare characters go through byte pieces
-        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,  # as Llama 2's tokenizer
-    )  # fmt: skip
+        input=str(tmp_path / "corpus.txt"),
+        model_prefix=str(tmp_path / "tokenizer"),
+        vocab_size=340,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        character_coverage=0.98,  # rare characters go through byte pieces
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,  # as Llama 2's tokenizer
+    )
     reference = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
     tok = load_tokenizer(tmp_path)
     assert tok.bos_id == reference.bos_id() and tok.eos_ids == [reference.eos_id()]
@@ -25,7 +32,9 @@ def test_sentencepiece(tmp_path):
         ids = tok.encode(text)
         assert ids == [reference.bos_id()] + reference.encode(text)
         assert tok.decode(ids[1:]) == reference.decode(reference.encode(text))
-        assert tok.decode(ids[1:]) == text  # identity normalization: whitespace, newlines and tabs come back as they were
+        assert (
+            tok.decode(ids[1:]) == text
+        )  # identity normalization: whitespace, newlines and tabs come back as they were
     assert tok.encode("abc", bos=False) == reference.encode("abc")
 
 
@@ -34,7 +43,9 @@ def test_tiktoken(tmp_path):
     from tiktoken._educational import bpe_train
 
     ranks = bpe_train(SAMPLE_TEXT * 5, vocab_size=300, pat_str=LLAMA3_PATTERN, visualise=None)
-    lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        f"{base64.b64encode(token).decode()} {rank}" for token, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     (tmp_path / "tokenizer.model").write_text("\n".join(lines) + "\n")
     reference = tiktoken.Encoding("reference", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={})
     tok = load_tokenizer(tmp_path)
@@ -45,7 +56,9 @@ def test_tiktoken(tmp_path):
         ids = tok.encode(text)
         assert ids == [n] + reference.encode(text)
         assert tok.decode(ids[1:]) == text
-    assert tok.encode("<|start_header_id|>user<|end_header_id|>", bos=False) == [n + 6] + reference.encode("user") + [n + 7]
+    assert tok.encode("<|start_header_id|>user<|end_header_id|>", bos=False) == [n + 6] + reference.encode("user") + [
+        n + 7
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +96,11 @@ def test_chat_template_matches_transformers(smollm2_reference):
             )
             assert tok.apply_chat_template(messages, add_generation_prompt) == expected
         expected_ids = smollm2_reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        expected_ids = expected_ids["input_ids"] if isinstance(expected_ids, dict) or hasattr(expected_ids, "keys") else expected_ids
+        expected_ids = (
+            expected_ids["input_ids"]
+            if isinstance(expected_ids, dict) or hasattr(expected_ids, "keys")
+            else expected_ids
+        )
         assert tok.encode_chat(messages) == list(expected_ids)
 
 

@@ -1,4 +1,5 @@
 """Tensor parallelism under torchrun (gloo on CPU): the sharded model computes what one process computes."""
+
 import json
 import os
 import signal
@@ -27,7 +28,15 @@ TINY_MARGIN, REAL_MARGIN = 1e-4, 1e-3
 
 
 def torchrun_command(nproc: int, script, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
 
 
 def torchrun(nproc: int, script, *args, stdin=None):
@@ -59,8 +68,15 @@ def tp_checkpoint(tmp_path_factory, tiny_tokenizer_json):
     from convert_hf_checkpoint import convert_hf_checkpoint
 
     hf_dir = tmp_path_factory.mktemp("hf_tp")
-    make_hf_llama(hf_dir, tiny_tokenizer_json, num_key_value_heads=2, intermediate_size=128, attention_bias=True,
-                  tie_word_embeddings=True, seed=3)  # fmt: skip
+    make_hf_llama(
+        hf_dir,
+        tiny_tokenizer_json,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        seed=3,
+    )
     out = tmp_path_factory.mktemp("tp") / "tiny"
     convert_hf_checkpoint(hf_dir, out)
     quantize_checkpoint(out / "model.pth", "int8")
@@ -69,7 +85,9 @@ def tp_checkpoint(tmp_path_factory, tiny_tokenizer_json):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("name, compiled", [("model.pth", False), ("model_int8.pth", True), ("model_int4.g32.pth", False)])
+@pytest.mark.parametrize(
+    "name, compiled", [("model.pth", False), ("model_int8.pth", True), ("model_int4.g32.pth", False)]
+)
 def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, name, compiled):
     expected = tp_worker.logits_and_tokens(tp_checkpoint / name, compiled=compiled)
     out = tmp_path / "result.pt"
@@ -88,7 +106,9 @@ def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, name, compile
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("family, name", [("qwen3", "model.pth"), ("mixtral", "model.pth"), ("mixtral", "model_int8.pth")])
+@pytest.mark.parametrize(
+    "family, name", [("qwen3", "model.pth"), ("mixtral", "model.pth"), ("mixtral", "model_int8.pth")]
+)
 def test_sharded_family_equals_one_process(tmp_path, tiny_tokenizer_json, family, name):
     """A GQA family with per-head q/k norms, and a mixture of experts (each expert split over the ranks)."""
     from convert_hf_checkpoint import convert_hf_checkpoint
@@ -113,10 +133,20 @@ def test_sharded_family_equals_one_process(tmp_path, tiny_tokenizer_json, family
 
 @pytest.mark.numerics
 def test_cli_batch_under_tp(tp_checkpoint):
-    args = ("--checkpoint_path", str(tp_checkpoint), "--prompt", "The quick brown", "--prompt", "def main():",
-            "--max_new_tokens", "24")  # fmt: skip
+    args = (
+        "--checkpoint_path",
+        str(tp_checkpoint),
+        "--prompt",
+        "The quick brown",
+        "--prompt",
+        "def main():",
+        "--max_new_tokens",
+        "24",
+    )
     expected = generate_tokens(1, *args)
-    assert_same_greedy_texts(tp_checkpoint, ["The quick brown", "def main():"], generate_tokens(2, *args), expected, TINY_MARGIN)
+    assert_same_greedy_texts(
+        tp_checkpoint, ["The quick brown", "def main():"], generate_tokens(2, *args), expected, TINY_MARGIN
+    )
 
 
 def test_seeded_sampling_and_speculative_decoding_under_tp(tp_checkpoint):
@@ -128,15 +158,15 @@ def test_seeded_sampling_and_speculative_decoding_under_tp(tp_checkpoint):
     # Target and draft both sharded; greedy speculation gives the target's own greedy tokens.
     args = ("--checkpoint_path", str(tp_checkpoint), "--max_new_tokens", "24", "--prompt", "Hello")
     plain = generate_tokens(1, *args)
-    speculative = generate_tokens(2, *args,
-                                  "--draft_checkpoint_path", str(tp_checkpoint / "model_int4.g32.pth"))  # fmt: skip
+    speculative = generate_tokens(2, *args, "--draft_checkpoint_path", str(tp_checkpoint / "model_int4.g32.pth"))
     assert_same_greedy_texts(tp_checkpoint, ["Hello"], speculative, plain, TINY_MARGIN)
 
 
 def test_interactive_under_tp(tp_checkpoint):
     args = ["--checkpoint_path", str(tp_checkpoint), "--interactive", "--temperature", "0", "--max_new_tokens", "12"]
-    single = subprocess.run([sys.executable, str(ROOT / "generate.py"), *args], input="Hello\nThe quick\n",
-                            capture_output=True, text=True)  # fmt: skip
+    single = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), *args], input="Hello\nThe quick\n", capture_output=True, text=True
+    )
     sharded = torchrun(2, ROOT / "generate.py", *args, stdin="Hello\nThe quick\n")
     assert single.returncode == sharded.returncode == 0, sharded.stderr[-3000:]
     # The same greedy replies, compared as text: rounding (~1e-6) could part them only where two logits are that
@@ -179,8 +209,18 @@ def rank_pids(torchrun_pid: int) -> dict[int, int]:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_dead_or_hung_rank_ends_the_job(tp_checkpoint, sig):
     # SIGKILL: torchrun sees the death; SIGSTOP: only the process-group timeout can end the wait.
-    command = torchrun_command(2, ROOT / "generate.py", "--checkpoint_path", str(tp_checkpoint),
-                               "--num_samples", "100000", "--max_new_tokens", "100", "--tp_timeout_s", "5")  # fmt: skip
+    command = torchrun_command(
+        2,
+        ROOT / "generate.py",
+        "--checkpoint_path",
+        str(tp_checkpoint),
+        "--num_samples",
+        "100000",
+        "--max_new_tokens",
+        "100",
+        "--tp_timeout_s",
+        "5",
+    )
     job = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = {}
     try:
@@ -206,7 +246,9 @@ def test_smollm2_on_three_ranks():
     # 9 heads and 3 KV heads: 3 q heads and 1 KV head a rank; the 49152-token vocabulary splits in 3.
     args = ("--checkpoint_path", str(SMOLLM2_DIR), "--prompt", "The capital of France is", "--max_new_tokens", "24")
     expected = generate_tokens(1, *args)
-    assert_same_greedy_texts(SMOLLM2_DIR, ["The capital of France is"], generate_tokens(3, *args), expected, REAL_MARGIN)
+    assert_same_greedy_texts(
+        SMOLLM2_DIR, ["The capital of France is"], generate_tokens(3, *args), expected, REAL_MARGIN
+    )
 
 
 QWEN_05B = ROOT / "checkpoints" / "Qwen2.5-Coder-0.5B-Instruct"
@@ -217,6 +259,15 @@ QWEN_05B = ROOT / "checkpoints" / "Qwen2.5-Coder-0.5B-Instruct"
 def test_qwen2_5_coder_on_two_ranks():
     # 14 heads and 2 KV heads: 7 q heads and 1 KV head a rank, q/k/v biases split with them; a batch of two prompts.
     prompts = ["def quicksort(arr):", "The capital of France is"]
-    args = ("--checkpoint_path", str(QWEN_05B), "--prompt", prompts[0], "--prompt", prompts[1], "--max_new_tokens", "24")
+    args = (
+        "--checkpoint_path",
+        str(QWEN_05B),
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+        "--max_new_tokens",
+        "24",
+    )
     expected = generate_tokens(1, *args)
     assert_same_greedy_texts(QWEN_05B, prompts, generate_tokens(2, *args), expected, REAL_MARGIN)

@@ -3,6 +3,7 @@ greedy tokens of a batch of two prompts. Rank 0 saves both.
 
     tp_worker.py CHECKPOINT OUT [compile]
 """
+
 import sys
 from pathlib import Path
 
