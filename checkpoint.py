@@ -179,7 +179,8 @@ def set_ordinary_mode(path, mode: int):
 
 
 def save_tensors(obj, path, shown_as=None):
-    """torch.save, whose write failures (a full disk, a size limit) are RuntimeErrors: made an OSError naming the file."""
+    """torch.save, whose write failures (a full disk, a size limit) are RuntimeErrors: made an OSError naming
+    the file."""
     try:
         torch.save(obj, path)
     except RuntimeError as e:

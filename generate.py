@@ -19,9 +19,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -73,7 +74,8 @@ def prefill(
     first_row: int = 0,
     kv_length: int | None = None,
 ):
-    # x: [B, S] prompts in cache slots input_pos [S] of cache rows first_row.. -> first new token [B, 1] (and its log-probs)
+    # x: [B, S] prompts in cache slots input_pos [S] of cache rows first_row..
+    # -> first new token [B, 1] (and its log-probs)
     logits = model(x, input_pos, left_pad, last_only=True, first_row=first_row, kv_length=kv_length)
     return sample(logits[:, -1], s, greedy, n_logprobs)
 
@@ -534,7 +536,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prompt",
         action="append",
         type=utf8_text,
-        help='text to continue; several --prompt make one batch; none: the text piped to stdin, else "Hello, my name is"',
+        help="text to continue; several --prompt make one batch; none: the text piped to stdin, "
+        'else "Hello, my name is"',
     )
     arg(
         "--prompts_file", type=prompt_lines, help="a text file, one prompt a line, all in one batch (with any --prompt)"

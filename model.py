@@ -13,8 +13,8 @@ import json
 import math
 import os
 from dataclasses import MISSING, dataclass, fields
-from typing import get_args
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.nn as nn
@@ -350,7 +350,8 @@ class Transformer(nn.Module):
         bsz = idx.shape[0]
         if first_row + bsz > self.max_batch_size:
             raise ValueError(
-                f"batch of {bsz} rows from cache row {first_row} is larger than the cache, set up for {self.max_batch_size}"
+                f"batch of {bsz} rows from cache row {first_row} is larger than the cache, "
+                f"set up for {self.max_batch_size}"
             )
         if kv_length is not None:  # tells the compiler too, so that slicing the cache to it keeps it symbolic
             torch._check(kv_length <= self.max_seq_length)

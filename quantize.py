@@ -332,21 +332,21 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
         hessians = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in linears.items()}
 
-        def accumulate(name):
+        def accumulate(hessian):
             def hook(module, args, output):
                 x = args[0].reshape(-1, args[0].shape[-1]).float()
-                hessians[name] += (2 * x.T @ x / (samples * seq_length)).double()  # float32 products, float64 sum
+                hessian.add_((2 * x.T @ x / (samples * seq_length)).double())  # float32 products, float64 sum
 
             return hook
 
-        handles = [m.register_forward_hook(accumulate(name)) for name, m in linears.items()]
+        handles = [m.register_forward_hook(accumulate(hessians[name])) for name, m in linears.items()]
         for x in xs:
             run(layer, x)
         for handle in handles:
             handle.remove()
-        for name, linear in linears.items():
-            codes, scales, zeros = gptq_int4(linear.weight, hessians[name], groupsize, act_order=act_order)
-            linear.weight.copy_(dequantize_int4(codes, scales, zeros, groupsize))
+        for name, module in linears.items():
+            codes, scales, zeros = gptq_int4(module.weight, hessians[name], groupsize, act_order=act_order)
+            module.weight.copy_(dequantize_int4(codes, scales, zeros, groupsize))
             results[f"layers.{index}.{name}"] = (codes, scales, zeros)
         xs = [run(layer, x) for x in xs]
     return results
@@ -363,9 +363,9 @@ def quantized_state_dict(model, mode: str, groupsize: int | None, int4_groups: d
     if model.output is None:
         linears["output"] = nn.Linear(model.config.dim, model.config.vocab_size, bias=False)
         linears["output"].weight = model.tok_embeddings.weight
-    for name, linear in linears.items():
+    for name, module in linears.items():
         state.pop(f"{name}.weight", None)
-        w = linear.weight.detach()
+        w = module.weight.detach()
         if mode == "int8" or name == "output":
             q, scales = quantize_int8(w)
             state[f"{name}.weight"], state[f"{name}.scales"] = q, scales
@@ -403,16 +403,16 @@ def quantize_checkpoint(
     if quantization is not None:
         raise ValueError(f"{checkpoint_path} is already quantized; quantize the floating-point model.pth")
     model = model.float().eval()
-    for name, linear in quantized_linears(model):
+    for name, module in quantized_linears(model):
         if mode == "int8" or name == "output":
             continue
-        if linear.in_features % groupsize:
+        if module.in_features % groupsize:
             raise ValueError(
-                f"groupsize {groupsize} does not divide the {linear.in_features} inputs of {name}; "
-                f"use a groupsize that divides {linear.in_features}"
+                f"groupsize {groupsize} does not divide the {module.in_features} inputs of {name}; "
+                f"use a groupsize that divides {module.in_features}"
             )
-        if linear.out_features % 16:  # the int4 kernels' tile height
-            raise ValueError(f"int4 needs a multiple of 16 outputs; {name} has {linear.out_features}: use int8")
+        if module.out_features % 16:  # the int4 kernels' tile height
+            raise ValueError(f"int4 needs a multiple of 16 outputs; {name} has {module.out_features}: use int8")
     gptq_results = None
     if mode == "int4-gptq":
         text = calibration_text if calibration_text is not None else default_text()

@@ -595,10 +595,11 @@ async def run_job(job: Job, app_state, request_id: str):
     """Submits the job's choices; yields their events as they come (an error event raises)."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     send = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
+
     # Choice i of a seeded request draws from seed + i: the n choices differ, and each repeats with its seed.
-    seeded = lambda i: (
-        job.params if job.params.seed is None else replace(job.params, seed=(job.params.seed + i) % 2**64)
-    )  # noqa: E731
+    def seeded(i):
+        return job.params if job.params.seed is None else replace(job.params, seed=(job.params.seed + i) % 2**64)
+
     choices = [
         Choice(p * job.n + i, ids, job.max_tokens, seeded(i), job.stop, job.top_logprobs, send)
         for p, ids in enumerate(job.prompts)

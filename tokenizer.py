@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Llama 3's pre-tokenizer split pattern and its special tokens (the file holds only the 128000 merges).
-LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_NAMED_SPECIAL_TOKENS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
 from generate import compile_steps, generate, load_model  # noqa: E402
 from model import Kernels, ModelArgs, Transformer, ensure_caches, model_size_bytes, set_kernels  # noqa: E402
-from results import synchronize  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
+from results import synchronize  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # random-weight models of well-known shapes: GPU runs need no download
@@ -325,6 +325,11 @@ def transformers_entry(gguf: Path, prompt: list[int], args) -> Entry:
     return entry
 
 
+def cell(value: float | None, spec: str = ".1f", unit: str = "") -> str:
+    """A table cell: the value formatted, or empty where there is none."""
+    return "" if value is None else format(value, spec) + unit
+
+
 def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple[str, list[dict]]:
     peers = {e.name: e for e in entries if e.precision is None}
     rows = []
@@ -360,14 +365,13 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
         "|---|" + "---|" * 13,
     ]
     for r in rows:
-        ratio = lambda key: f"{r[key]:.2f}x" if key in r else ""  # noqa: E731
-        seconds = lambda key: f"{r[key]:.1f}" if r[key] is not None else ""  # noqa: E731
         lines.append(
             f"| {r['config']} | {r['prefill_tokens_per_s']:.0f} | {r['time_to_first_token_ms']:.0f} "
             f"| {r['decode_tokens_per_s']:.1f} | {r['weights_mb_per_token']:.0f} | {r['achieved_gb_s']:.1f} "
-            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {seconds('compile_s')} | {seconds('first_start_s')} "
-            f"| {seconds('start_s')} | {ratio('vs_llama_cpp_decode')} "
-            f"| {ratio('vs_llama_cpp_prefill')} | {ratio('vs_transformers_decode')} |"
+            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {cell(r['compile_s'])} | {cell(r['first_start_s'])} "
+            f"| {cell(r['start_s'])} | {cell(r.get('vs_llama_cpp_decode'), '.2f', 'x')} "
+            f"| {cell(r.get('vs_llama_cpp_prefill'), '.2f', 'x')} "
+            f"| {cell(r.get('vs_transformers_decode'), '.2f', 'x')} |"
         )
     return "\n".join(lines), rows
 

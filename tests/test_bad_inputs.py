@@ -18,12 +18,12 @@ import sys
 import gguf
 import pytest
 import torch
-from conftest import ROOT, make_hf_llama, write_gguf
 
 import eval as evaluate
 import generate
 import quantize
 from benchmark import main as benchmark_main
+from conftest import ROOT, make_hf_llama, write_gguf
 from convert_gguf import main as convert_gguf_main
 from convert_hf_checkpoint import main as convert_hf_main
 from tokenizer import load_tokenizer

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
 
 from benchmark import Entry, chart_bars, quantized_slower_than_float32
+from conftest import ROOT
 
 
 def run_benchmark(*args):

@@ -1,4 +1,5 @@
-"""generate.py as a user runs it: JSON output, batches from a file, streaming, a conversation on a pipe (bad input: test_bad_inputs.py)."""
+"""generate.py as a user runs it: JSON output, batches from a file, streaming, a conversation on a pipe (bad input:
+test_bad_inputs.py), the compiled code of the CPU capability in force."""
 
 import json
 import os
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, assert_same_greedy
 
 import generate as gen
+from conftest import ROOT, assert_same_greedy
 from tokenizer import load_tokenizer
 
 

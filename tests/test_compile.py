@@ -1,10 +1,11 @@
-"""The compiled decode step: the tokens of eager, for batches too, with no recompilation across steps or sampling values."""
+"""The compiled decode step: the tokens of eager, for batches too, with no recompilation across steps or sampling
+values."""
 
 import pytest
 import torch
 import torch._dynamo
-from conftest import assert_same_greedy
 
+from conftest import assert_same_greedy
 from generate import compile_steps, generate, load_model
 from sampling import SamplingParams
 

@@ -6,11 +6,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_llama, write_gguf
 import transformers
+
+from conftest import make_hf_llama, write_gguf
 from convert_gguf import convert_gguf_state_dict, gguf_config_to_args, gguf_int4_groups, open_gguf
 from convert_hf_checkpoint import convert_hf_checkpoint
-
 from generate import load_model
 from model import Transformer
 from quantize import dequantize_int4
@@ -128,8 +128,9 @@ def test_gguf_tensor_types(tmp_path, tiny_checkpoint, type_name):
 def test_gguf_k_quant_layout(tmp_path, type_name, block_bytes, scale_offsets):
     """gguf-py cannot quantize K-formats, so random blocks (with sane f16 scales) check shape and order."""
     import gguf
-    from convert_gguf import gguf_tensor
     from gguf.quants import dequantize
+
+    from convert_gguf import gguf_tensor
 
     kind = gguf.GGMLQuantizationType[type_name]
     rows, cols = 3, 512  # two 256-value super-blocks per row
@@ -316,8 +317,9 @@ HUB_CONFIGS = {
 def test_hub_configs_read_as_transformers_reads_them(name):
     import math
 
-    from convert_hf_checkpoint import hf_config_to_args
     from transformers import AutoConfig
+
+    from convert_hf_checkpoint import hf_config_to_args
 
     raw = HUB_CONFIGS[name]
     if name == "phi3_su":  # transformers 5.23 reads the length only inside rope_scaling; Phi-3's files have it outside

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+
 from conftest import ROOT, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
-
 from eval import perplexity
 from generate import load_model
 from tokenizer import load_tokenizer

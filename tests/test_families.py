@@ -5,9 +5,9 @@ quantization)."""
 import pytest
 import torch
 import transformers as tf
+
 from conftest import TINY_VOCAB, assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
-
 from generate import generate, load_model
 from model import Kernels
 from quantize import quantize_model

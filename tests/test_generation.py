@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
 
+from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
 from generate import Chat, Stream, generate, load_model
 from results import TextPieces
 from sampling import SamplingParams
 from tokenizer import IncrementalDecoder, load_tokenizer
-
 
 pytestmark = pytest.mark.numerics
 

@@ -4,8 +4,8 @@ run when their checkpoints are there and are skipped otherwise."""
 
 import pytest
 import torch
-from conftest import assert_same_greedy
 
+from conftest import assert_same_greedy
 from convert_gguf import INT4_BLOCK_BYTES, INT4_FILE, INT4_GROUPSIZE, open_gguf
 from generate import compile_steps, generate, load_model
 from model import Kernels

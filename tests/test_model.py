@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+
 from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
-
 from generate import generate, load_model
 from model import ModelArgs
 

@@ -7,14 +7,13 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_same_greedy
 
 import quantize as qz
 from checkpoint import save_atomic
-from model import Kernels
+from conftest import ROOT, assert_same_greedy
 from generate import compile_steps, generate, load_model
+from model import Kernels
 from tokenizer import load_tokenizer
-
 
 pytestmark = pytest.mark.numerics
 

@@ -14,12 +14,12 @@ import httpx
 import openai
 import pytest
 import torch
+
 from conftest import ROOT, SMOLLM2_DIR, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
-
 from generate import Steps, Stream, compile_steps, encode_conversation, generate, load_model
-from server import Choice, Engine
 from sampling import SamplingParams
+from server import Choice, Engine
 from tokenizer import load_tokenizer
 
 KEY = "test-key"
@@ -518,9 +518,10 @@ def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelate
     try:
         api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         prompts, answers = PROMPTS[:4], queue.Queue()
-        ask = lambda p: answers.put(
-            (p, api.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0))
-        )  # noqa: E731
+
+        def ask(p):
+            answers.put((p, api.completions.create(model="tiny-chat", prompt=p, max_tokens=24, temperature=0)))
+
         threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
         for t in threads:
             t.start()

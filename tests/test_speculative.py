@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo
-from conftest import assert_same_greedy, make_hf_llama
-from convert_hf_checkpoint import convert_hf_checkpoint
 
 import generate as gen
 import quantize as qz
+from conftest import assert_same_greedy, make_hf_llama
+from convert_hf_checkpoint import convert_hf_checkpoint
 from model import Kernels, ModelArgs, Transformer
 from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_state, set_row
 
@@ -64,7 +64,7 @@ def test_compiled_greedy_equals_plain_without_recompiling(pair_files):
     target, drafts = load_pairs(pair_files, Kernels.choose(torch.device("cpu"), compiled=True))
     plain = gen.generate(load_pairs(pair_files)[0], PROMPT, 40).tokens[0]
     steps = gen.compile_steps(torch.device("cpu"))
-    for name, draft in drafts.items():
+    for draft in drafts.values():
         for k in (8, 4, 2, 1):  # the first sizes the caches for all: one graph per k, and per draft
             result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, steps=steps)
             assert_same_greedy(target, PROMPT, result.tokens[0], plain, MARGIN)

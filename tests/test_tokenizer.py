@@ -3,8 +3,8 @@
 import base64
 
 import pytest
-from conftest import SAMPLE_TEXT, SMOLLM2_DIR
 
+from conftest import SAMPLE_TEXT, SMOLLM2_DIR
 from tokenizer import LLAMA3_PATTERN, load_tokenizer
 
 TEXTS = [SAMPLE_TEXT, "  leading spaces and\ttabs\n\nnew lines  ", "🙂", "x"]

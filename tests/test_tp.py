@@ -9,10 +9,10 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, SMOLLM2_DIR, assert_same_greedy, make_hf_llama
 
 import tp
 import tp_worker
+from conftest import ROOT, SMOLLM2_DIR, assert_same_greedy, make_hf_llama
 from generate import load_model
 from model import ModelArgs
 from quantize import quantize_checkpoint
