@@ -2,6 +2,7 @@
 imports hidden inside functions, and a script run as __main__ is never imported a second time."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -70,6 +71,29 @@ def test_import_graph_is_acyclic_and_flows_one_way():
     for module in ("quantize", "tp", "checkpoint", "results", "convert_hf_checkpoint", "convert_gguf"):
         assert "generate" not in reachable(graph, module), f"{module} reaches generate.py"
     assert not [name for name, deps in graph.items() if "server" in deps], "server.py is a leaf: nothing imports it"
+    for name in ("server", "eval", "benchmark", "bench_server", "speculative_demo"):  # as README's tour says
+        assert "generate" in graph[name], name
+    assert {"quantize", "tp", "model"} <= graph["generate"]
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", markdown, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+
+
+def test_readme_is_short_and_every_link_resolves():
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 250
+    for page in [readme, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.is_file(), f"{page.name}: {target} is not a file"
+            if anchor:
+                assert anchor in heading_anchors(linked.read_text()), f"{page.name}: no heading #{anchor} in {path}"
 
 
 def test_the_cycle_finder_finds_cycles():
