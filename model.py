@@ -185,7 +185,7 @@ class Kernels:
     """How a CPU runs the linear layers: a speed choice made once at load time (see choose), recorded in the
     run's figures. Numerics follow from it: "fused" computes one-row products (compiled: up to FUSED_ROWS rows)
     in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
-    bfloat16 only: float32 is exact but about 10x slower)."""
+    bfloat16 only, so float32 is exact but far slower)."""
 
     float_matvec: str = "library"  # few-row products with float weights: "library" (BLAS) or "fused"
     quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
@@ -200,7 +200,8 @@ class Kernels:
         dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
         weights on every CPU measured, and for int8/int4 ones where AVX-512 converts bytes to floats fast
         enough; on AVX2 ATen's int8/int4 kernels are faster. Widening int8 weights to bfloat16 for a matrix
-        product pays off only with native bfloat16 (AVX512-BF16, AMX): 4x slower than float32 without it."""
+        product pays off only with native bfloat16 (AVX512-BF16, AMX): without it, matrix products emulate
+        bfloat16 and lose to float32 (docs/performance.md has the figures behind each choice)."""
         if matvec not in ("auto", "fused", "library"):
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused or library")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -342,10 +343,10 @@ class Transformer(nn.Module):
         # start at position 0. first_row: the rows use cache rows first_row.. (a server prefills one request
         # into its own row while the others keep theirs).
         # last_only: logits [B, 1, vocab] of the last position alone, which is all a prefill samples from
-        # (the output projection over every prompt position was 14% of a 128-token float32 prefill here).
+        # (the output projection over every prompt position is a large share of a short prefill).
         # kv_length: attend to the first kv_length cache slots only (None: all), which must hold every position
         # the queries see: a server's rows reach far less than its cache's length, and reading the rest of the
-        # cache each step cost more than the weights at 16 rows of 2048 slots.
+        # cache each step can cost more than reading the weights.
         assert self.max_seq_length > 0, "call setup_caches() first"
         bsz = idx.shape[0]
         if first_row + bsz > self.max_batch_size:
@@ -417,8 +418,8 @@ class TransformerBlock(nn.Module):
         self.post_attention_norm, self.post_ffn_norm = post_norm(), post_norm()
 
     # Under torch.compile one layer's code is traced and compiled once and reused for every layer with the same
-    # inputs' shapes and attributes (regional compilation; eagerly a no-op). SmolLM2's 30 layers on 2 AMD cores:
-    # a first-ever compile of the decode step in 17 s instead of 81, a cached one in 5 s instead of 16, same speed.
+    # inputs' shapes and attributes (regional compilation; eagerly a no-op): a compile costs about one layer's,
+    # not n_layer of them, for the same decode speed.
     @torch.compiler.nested_compile_region
     def forward(
         self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0
@@ -456,8 +457,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
         k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, max_seq, D]
         k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the slots the mask covers (kv_length)
-        # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel costs ~0.1 ms a call); so does
-        # soft-capping, which SDPA cannot do.
+        # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel has a fixed cost per call that
+        # exceeds one query's work); so does soft-capping, which SDPA cannot do.
         if seqlen == 1 or self.logit_softcap is not None:
             y = grouped_attention(q, k, v, mask, self.scale, self.logit_softcap)
         else:
@@ -527,8 +528,8 @@ FUSED_ROWS = 8  # the most rows a compiled fused product takes (a speculative ve
 
 def fuses(x: Tensor) -> bool:
     """Whether a fused product takes x: on a CPU, one row, or up to FUSED_ROWS under torch.compile, which reads
-    each weight once for all rows (5 rows of Qwen2.5-Coder-1.5B float32 on AVX2: 3x one row's time, against
-    4.7x for MKL's product). Eagerly each row would materialise a weight-sized product."""
+    each weight once for all rows (a BLAS product of a few rows reads them once per row). Eagerly each row would
+    materialise a weight-sized product."""
     rows = x.numel() // x.shape[-1]
     return x.device.type == "cpu" and (rows == 1 or rows <= FUSED_ROWS and torch.compiler.is_compiling())
 

@@ -93,7 +93,7 @@ class Int8Linear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] >= GEMM_ROWS:
             # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product with
-            # the weight widened for the call is faster from ~16 rows: prefill and large batches.
+            # the weight widened for the call is faster from GEMM_ROWS rows: prefill and large batches.
             y = linear(x2d.to(self.kernels.gemm_dtype), self.weight, None, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(

@@ -101,11 +101,10 @@ def leave_dist():
 def end_rank():
     """Ends a rank that finished its work: leaves the job, flushes its output and exits at once.
 
-    gloo's threads outlive destroy_process_group (three still run after it in every run measured), so the
-    interpreter's and the C++ runtime's teardown runs around live threads. A rank has been seen to abort
-    ("terminate called without an active exception"; once in CI, 3 of ~50 local runs one day, none in ~160
-    since) and that teardown is the likeliest place; os._exit skips it, and a rank's exit code decides whether
-    torchrun reports the job failed."""
+    gloo's threads outlive destroy_process_group, so the interpreter's and the C++ runtime's teardown runs
+    around live threads. A rank has been seen to abort there, rarely ("terminate called without an active
+    exception"); os._exit skips that teardown, and a rank's exit code decides whether torchrun reports the job
+    failed."""
     leave_dist()
     sys.stdout.flush()
     sys.stderr.flush()
