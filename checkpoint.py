@@ -21,6 +21,7 @@ from tokenizer import read_text
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # --device's default in every script
 
 
 @contextlib.contextmanager

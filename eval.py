@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, resolve_checkpoint, user_errors
-from generate import load_model
+from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, user_errors
+from generate import load_models
 from quantize import default_text
-from tokenizer import load_tokenizer, read_text
+from tokenizer import read_text
 
 
 @torch.no_grad()
@@ -58,8 +58,7 @@ def main(argv=None):
         parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride < --window")
     with user_errors():
         text = read_text(opts.text_file) if opts.text_file else default_text()
-        model = load_model(opts.checkpoint_path, opts.device, torch.float32)
-        tokenizer = load_tokenizer(resolve_checkpoint(opts.checkpoint_path).parent)
+        model, tokenizer, _ = load_models(opts.checkpoint_path, opts.device, "float32")
         tokens = tokenizer.encode(text)[-opts.max_tokens :]
         if len(tokens) < 2:
             raise ValueError(f"{opts.text_file or 'the text'}: fewer than 2 tokens")

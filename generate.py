@@ -30,6 +30,7 @@ from torch import Tensor
 import tp
 from checkpoint import (
     DEFAULT_CHECKPOINT,
+    DEFAULT_DEVICE,
     DTYPES,
     HelpFormatter,
     device_flag,
@@ -80,6 +81,11 @@ def prefill(
     return sample(logits[:, -1], s, greedy, n_logprobs)
 
 
+def kv_length(window: Tensor | None) -> int | None:
+    """The model's kv_length that a step's window tensor stands for (None: the whole cache)."""
+    return None if window is None else window.shape[0]
+
+
 def decode_one_token(
     model,
     x: Tensor,
@@ -93,15 +99,13 @@ def decode_one_token(
     # x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and its log-probs). window: a
     # tensor whose length is the model's kv_length (None: the whole cache); marked dynamic (torch._dynamo.
     # mark_dynamic), one compiled graph serves every length, which a plain int argument would not.
-    kv_length = None if window is None else window.shape[0]
-    return sample(model(x, input_pos, left_pad, kv_length=kv_length)[:, -1], s, greedy, n_logprobs)
+    return sample(model(x, input_pos, left_pad, kv_length=kv_length(window))[:, -1], s, greedy, n_logprobs)
 
 
 def draft_step(draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None):
     # x: [B, S] in slots input_pos ([S], or [B, S] per row) -> a token drafted after the last [B, 1] and the
     # distribution p it was drawn from [B, V]. window: as decode_one_token's.
-    kv_length = None if window is None else window.shape[0]
-    probs = step_probs(draft(x, input_pos, last_only=True, kv_length=kv_length)[:, -1], s, greedy)
+    probs = step_probs(draft(x, input_pos, last_only=True, kv_length=kv_length(window))[:, -1], s, greedy)
     return torch.argmax(probs / s.noise, dim=-1, keepdim=True), probs
 
 
@@ -110,9 +114,8 @@ def verify_step(
 ) -> Tensor:
     # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
     # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
-    kv_length = None if window is None else window.shape[0]
     per_position = s._replace(**{k: getattr(s, k)[..., None] for k in SETTINGS if getattr(s, k).dim()})
-    return step_probs(model(x, input_pos, kv_length=kv_length), per_position, greedy)
+    return step_probs(model(x, input_pos, kv_length=kv_length(window)), per_position, greedy)
 
 
 class Steps(NamedTuple):
@@ -214,6 +217,37 @@ def check_speculation(model, draft, params: SamplingParams, k: int):
 
 
 @torch.no_grad()
+def draft_and_verify(
+    model,
+    draft,
+    steps: Steps,
+    k: int,
+    current: Tensor,
+    draft_input: tuple[Tensor, Tensor],
+    s_target: SamplerState,
+    s_draft: SamplerState,
+    greedy: bool,
+    refill_noise: Callable[[], None],
+    window: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The model work of a speculative round, for rows at their current tokens [B, 1]: the draft reads draft_input
+    (tokens [B, S] and their positions, the last S being the current tokens' positions [B, 1] or [1]) and drafts k
+    tokens, one step each (refill_noise before each draw); the model then reads the current and drafted tokens in
+    one pass. Returns the drafted tokens [B, k], the draft's distributions [B, k, V] and the model's [B, k + 1, V];
+    sampling.accept_drafts decides what each row keeps."""
+    (token, at), drafted, probs = draft_input, [], []
+    for _ in range(k):
+        refill_noise()
+        token, p = steps.draft(draft, token, at, s_draft, greedy, window)
+        drafted.append(token.clone())  # copies: CUDA graphs reuse their output buffers on the next call
+        probs.append(p.clone())
+        at = at[..., -1:] + 1
+    drafted = torch.cat(drafted, dim=1)
+    verify_at = at - k + torch.arange(k + 1, device=at.device)  # the current tokens' positions, then the drafts'
+    q = steps.verify(model, torch.cat([current, drafted], dim=1), verify_at, s_target, greedy, window)
+    return drafted, torch.stack(probs, dim=1), q
+
+
 def speculative_generate(
     model,
     draft,
@@ -251,24 +285,22 @@ def speculative_generate(
     while (
         len(out) < max_new_tokens and out[-1] not in eos and not (stop and find_stop(tokenizer.decode(out), stop) >= 0)
     ):
-        drafted, probs, token = [], [], cur
-        for i in range(k):
-            refill_noise(s_draft, params, generator)
-            token, p = steps.draft(draft, token, torch.tensor([pos + i], device=device), s_draft, params.greedy)
-            token = token.clone()
-            drafted.append(token)
-            probs.append(p.clone())
-        drafted = torch.cat(drafted, dim=1)  # [1, k]
-        q = steps.verify(
+        at = torch.tensor([pos], device=device)
+        drafted, probs, q = draft_and_verify(
             model,
-            torch.cat([cur, drafted], dim=1),
-            torch.arange(pos, pos + k + 1, device=device),
+            draft,
+            steps,
+            k,
+            cur,
+            (cur, at),
             s_target,
+            s_draft,
             params.greedy,
+            lambda: refill_noise(s_draft, params, generator),
         )
         uniforms = torch.rand(1, k, device=device, generator=generator)
         noise = torch.empty(1, q.shape[-1], device=device).exponential_(generator=generator)
-        kept, next_token = accept_drafts(drafted, torch.stack(probs, dim=1), q, uniforms, noise)
+        kept, next_token = accept_drafts(drafted, probs, q, uniforms, noise)
         host = torch.cat([kept, next_token, drafted[0]]).tolist()  # the round's one sync
         n = host[0]
         if n == k:  # the draft never fed its last token: do it, so its cache is complete
@@ -423,6 +455,15 @@ class Stream:
         return self.result
 
 
+def cached_prefix(cached: list[int], ids: list[int]) -> int:
+    """How many tokens of ids a KV cache holding cached can keep: their common prefix, short of ids' last token,
+    which is always fed again for the logits of the token after it."""
+    n = 0
+    while n < min(len(ids) - 1, len(cached)) and ids[n] == cached[n]:
+        n += 1
+    return n
+
+
 def encode_conversation(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
     """Messages ({"role", "content"}) -> the prompt of the reply: by the chat template, or without one, the
     messages' contents joined by newlines (a base model continues the conversation's text)."""
@@ -482,9 +523,7 @@ class Chat:
                 f"the {self.model.max_seq_length}-position cache"
             )
         self.messages, self.dropped_turns = messages, self.dropped_turns + dropped
-        common = 0
-        while common < min(len(ids) - 1, len(self.cached)) and ids[common] == self.cached[common]:
-            common += 1
+        common = cached_prefix(self.cached, ids)
         self.last_prefill = len(ids) - common
         result = Stream(
             self.model,
@@ -563,7 +602,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg(
         "--device",
         type=device_flag,
-        default="cuda" if torch.cuda.is_available() else "cpu",
+        default=DEFAULT_DEVICE,
         help="cpu, cuda, cuda:1, ...",
     )
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -645,18 +684,26 @@ def chat_loop(chat: Chat, read_line: Callable[[], bytes]):
             )
 
 
-def load_models(args, device: torch.device, shard) -> tuple[Transformer, Tokenizer, Transformer | None]:
-    """The model, its tokenizer, and the draft model (None without one), checked to share the tokenizer."""
-    t0 = time.perf_counter()
-    kernels = Kernels.choose(device, args.compile, args.kernels)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = load_model(args.checkpoint_path, device, dtype, shard, kernels)
-    tokenizer = load_tokenizer(resolve_checkpoint(args.checkpoint_path).parent)
+def load_models(
+    checkpoint_path: str | Path,
+    device: torch.device,
+    dtype: str | None = None,
+    compiled: bool = False,
+    matvec: str = "auto",
+    draft_checkpoint_path: str | Path | None = None,
+    shard=None,
+) -> tuple[Transformer, Tokenizer, Transformer | None]:
+    """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
+    the tokenizer. dtype: a name of checkpoint.DTYPES, None for bfloat16 on CUDA and float32 on a CPU (most CPUs
+    have no native bfloat16 matrix products); the CPU kernels are Kernels.choose(device, compiled, matvec)."""
+    kernels = Kernels.choose(device, compiled, matvec)
+    dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_model(checkpoint_path, device, dtype, shard, kernels)
+    tokenizer = load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
     draft = None
-    if args.draft_checkpoint_path is not None:
-        draft = load_model(args.draft_checkpoint_path, device, dtype, shard, kernels)
-        check_draft_tokenizer(tokenizer, args.draft_checkpoint_path)
-    print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    if draft_checkpoint_path is not None:
+        draft = load_model(draft_checkpoint_path, device, dtype, shard, kernels)
+        check_draft_tokenizer(tokenizer, draft_checkpoint_path)
     return model, tokenizer, draft
 
 
@@ -669,7 +716,11 @@ def check_draft_tokenizer(tokenizer: Tokenizer, draft_checkpoint_path: Path):
 
 def run(args, device: torch.device, shard=None):
     piped = None if args.interactive or args.prompt or args.prompts_file else piped_text(shard)  # before loading
-    model, tokenizer, draft = load_models(args, device, shard)
+    start = time.perf_counter()
+    model, tokenizer, draft = load_models(
+        args.checkpoint_path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, shard
+    )
+    print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     sampling = sampling_params(args)
     check_logprobs(sampling, model.config.vocab_size)
     seed = tp.shared_seed(args.seed, shard)

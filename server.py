@@ -33,12 +33,27 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
-from checkpoint import DEFAULT_CHECKPOINT, DTYPES, HelpFormatter, device_flag, resolve_checkpoint, user_errors
-from generate import check_draft_tokenizer, check_speculation, compile_steps, encode_conversation, load_model, prefill
-from model import Kernels
+from checkpoint import (
+    DEFAULT_CHECKPOINT,
+    DEFAULT_DEVICE,
+    DTYPES,
+    HelpFormatter,
+    device_flag,
+    resolve_checkpoint,
+    user_errors,
+)
+from generate import (
+    cached_prefix,
+    check_speculation,
+    compile_steps,
+    draft_and_verify,
+    encode_conversation,
+    load_models,
+    prefill,
+)
 from results import Speculation, TextPieces
 from sampling import SamplerState, SamplingParams, accept_drafts, check_seed, record_token, row_sampler_state, set_row
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP_STRINGS = 16
@@ -233,7 +248,7 @@ class Engine:
             if choice.cancelled:
                 continue
             free = [i for i, c in enumerate(self.slots) if c is None]
-            row = max(free, key=lambda i: (self.common_prefix(i, choice.ids), -i))
+            row = max(free, key=lambda i: (cached_prefix(self.cached[i], choice.ids), -i))
             try:
                 self.prefill(row, choice)
             except Exception as e:
@@ -241,14 +256,8 @@ class Engine:
                 self.slots[row] = choice
                 self.finish(row, error=str(e))
 
-    def common_prefix(self, row: int, ids: list[int]) -> int:
-        cached, n = self.cached[row], 0
-        while n < min(len(ids) - 1, len(cached)) and ids[n] == cached[n]:  # the last prompt token is always fed
-            n += 1
-        return n
-
     def prefill(self, row: int, choice: Choice):
-        start = choice.reused = self.common_prefix(row, choice.ids)
+        start = choice.reused = cached_prefix(self.cached[row], choice.ids)
         self.slots[row], self.cached[row] = choice, choice.ids[:start]
         choice.pieces = TextPieces(self.tokenizer, choice.stop)
         if choice.params.seed is not None:
@@ -326,23 +335,22 @@ class Engine:
         )
         return torch.cat([previous, self.tokens[:n]], dim=1), torch.cat([positions - 1, positions], dim=1)
 
-    def draft_and_verify(
-        self, n: int, busy: list[int], state, positions: torch.Tensor, greedy: bool, window: torch.Tensor
-    ):
-        """Rows 0..n-1: the draft drafts k tokens, the model reads the current and drafted ones in one pass.
-        Returns the drafted tokens [n, k], the draft's distributions [n, k, V] and the model's [n, k + 1, V]."""
-        token, at = self.draft_inputs(n, positions)
-        drafted, probs = [], []
-        for _ in range(self.k):
-            self.refill_noise(busy)
-            token, p = self.steps.draft(self.draft, token, at, state, greedy, window)
-            drafted.append(token.clone())  # copies: CUDA graphs reuse their output buffers on the next call
-            probs.append(p.clone())
-            at = at[:, -1:] + 1
-        drafted = torch.cat(drafted, dim=1)
-        at = positions + torch.arange(self.k + 1, device=self.device)
-        q = self.steps.verify(self.model, torch.cat([self.tokens[:n], drafted], dim=1), at, state, greedy, window)
-        return drafted, torch.stack(probs, dim=1), q
+    def draft_and_verify(self, n: int, busy: list[int], state, positions: torch.Tensor, greedy: bool, window):
+        """generate.draft_and_verify for rows 0..n-1, whose draft reads each row's previous and current tokens;
+        the busy rows' sampling noise is drawn anew before each draft step."""
+        return draft_and_verify(
+            self.model,
+            self.draft,
+            self.steps,
+            self.k,
+            self.tokens[:n],
+            self.draft_inputs(n, positions),
+            state,
+            state,
+            greedy,
+            lambda: self.refill_noise(busy),
+            window,
+        )
 
     def speculate(self, busy: list[int]):
         """One round of speculative decoding for every busy slot."""
@@ -862,7 +870,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg(
         "--device",
         type=device_flag,
-        default="cuda" if torch.cuda.is_available() else "cpu",
+        default=DEFAULT_DEVICE,
         help="cpu, cuda, cuda:1, ...",
     )
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -886,15 +894,11 @@ def main(argv=None):
     with user_errors():
         args = parse_args(argv)
         device = args.device
-        dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
         path = resolve_checkpoint(args.checkpoint_path)
-        kernels = Kernels.choose(device, args.compile, args.kernels)
-        model = load_model(path, device, dtype, kernels=kernels)
-        tokenizer = load_tokenizer(path.parent)
-        draft = None
-        if args.draft_checkpoint_path is not None:
-            draft = load_model(args.draft_checkpoint_path, device, dtype, kernels=kernels)
-            check_draft_tokenizer(tokenizer, args.draft_checkpoint_path)
+        model, tokenizer, draft = load_models(
+            path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path
+        )
+        if draft is not None:
             check_speculation(model, draft, SamplingParams(), args.speculate_k)
         steps = compile_steps(device, args.compile)
         max_seq_length = min(

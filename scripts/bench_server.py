@@ -27,9 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, resolve_checkpoint, user_errors  # noqa: E402
-from generate import Stream, compile_steps, encode_conversation, load_model  # noqa: E402
-from model import Kernels  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from generate import Stream, compile_steps, encode_conversation, load_models  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -194,8 +192,7 @@ def main(argv=None):
         process.terminate()
         process.wait()
     cpu = torch.device("cpu")
-    model = load_model(args.checkpoint_path, kernels=Kernels.choose(cpu, args.compile))
-    tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile)
     steps = compile_steps(cpu, args.compile)
     # One cache for all requests, as large as the longest needs, so that the compiled step never recompiles.
     longest = max(len(encode_conversation(tokenizer, [{"role": "user", "content": q}])) for q in QUESTIONS)

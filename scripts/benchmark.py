@@ -38,7 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
+from checkpoint import DEFAULT_CHECKPOINT, DEFAULT_DEVICE, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
 from generate import compile_steps, generate, load_model  # noqa: E402
 from model import Kernels, ModelArgs, Transformer, ensure_caches, model_size_bytes, set_kernels  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
@@ -464,9 +464,7 @@ def parse_args(argv=None):
     p.add_argument("--new_tokens", type=int, default=128, help="greedy tokens generated (the decode)")
     p.add_argument("--rounds", type=int, default=3, help="timed runs of each configuration (medians reported)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads, ours and the peers'")
-    p.add_argument(
-        "--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N"
-    )
+    p.add_argument("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
     p.add_argument("--profile", type=Path, default=None, help="folder: a torch.profiler trace of one run per config")
     p.add_argument("--json", action="store_true", help="also print the rows as one JSON line")
     p.add_argument(

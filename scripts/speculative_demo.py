@@ -17,13 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from checkpoint import DTYPES, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
-from generate import check_draft_tokenizer, compile_steps, generate, load_model  # noqa: E402
-from model import Kernels, ensure_caches  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from checkpoint import DEFAULT_DEVICE, DTYPES, HelpFormatter, device_flag, user_errors  # noqa: E402
+from generate import compile_steps, generate, load_models  # noqa: E402
+from model import ensure_caches  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -50,18 +47,16 @@ def main(argv=None):
     parser.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes a round")
     parser.add_argument("--compile", action="store_true", help="torch.compile the decode, draft and verify steps")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="floating-point dtype (default: float32 on CPU)")
-    parser.add_argument("--device", type=device_flag, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_flag, default=DEFAULT_DEVICE)
     parser.add_argument("--raw", action="store_true", help="send the prompts as plain text, not as chat turns")
     opts = parser.parse_args(argv)
     if opts.max_new_tokens < 1 or opts.speculate_k < 1:
         parser.error("--max_new_tokens and --speculate_k must be >= 1")
     with user_errors():
         device = opts.device
-        dtype = DTYPES[opts.dtype] if opts.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        kernels = Kernels.choose(device, opts.compile)
-        target, draft = (load_model(path, device, dtype, kernels=kernels) for path in (opts.target, opts.draft))
-        tokenizer = load_tokenizer(resolve_checkpoint(opts.target).parent)
-        check_draft_tokenizer(tokenizer, opts.draft)
+        target, tokenizer, draft = load_models(
+            opts.target, device, opts.dtype, opts.compile, draft_checkpoint_path=opts.draft
+        )
         texts = opts.prompt or PROMPTS
         chat = tokenizer.chat_template and not opts.raw
         prompts = [
@@ -76,7 +71,7 @@ def main(argv=None):
         print(
             f"target {opts.target}, draft {opts.draft}, k={opts.speculate_k}, "
             f"{'compiled' if opts.compile else 'eager'}, "
-            f"{dtype}, warm-up {time.perf_counter() - start:.1f} s\n"
+            f"{target.tok_embeddings.weight.dtype}, warm-up {time.perf_counter() - start:.1f} s\n"
         )
         rows = []  # per prompt: (tokens, seconds alone, seconds speculative, accepted-length histogram)
         for text, prompt in zip(texts, prompts):
