@@ -43,7 +43,7 @@ def perplexity(model, tokens: list[int], window: int, stride: int) -> tuple[floa
     return math.exp(nll / counted), counted
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="any model*.pth")
     parser.add_argument("--text_file", type=Path, help="text to score (default: Python's pydoc topics)")
@@ -52,20 +52,26 @@ def main(argv=None):
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     parser.add_argument("--device", type=device_flag, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
-    opts = parser.parse_args(argv)
-    stride = opts.window // 2 if opts.stride is None else opts.stride
-    if opts.max_tokens < 2 or opts.window < 2 or not 0 < stride < opts.window:
+    args = parser.parse_args(argv)
+    if args.stride is None:
+        args.stride = args.window // 2
+    if args.max_tokens < 2 or args.window < 2 or not 0 < args.stride < args.window:
         parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride < --window")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with user_errors():
-        text = read_text(opts.text_file) if opts.text_file else default_text()
-        model, tokenizer, _ = load_models(opts.checkpoint_path, opts.device, "float32")
-        tokens = tokenizer.encode(text)[-opts.max_tokens :]
+        text = read_text(args.text_file) if args.text_file else default_text()
+        model, tokenizer, _ = load_models(args.checkpoint_path, args.device, "float32")
+        tokens = tokenizer.encode(text)[-args.max_tokens :]
         if len(tokens) < 2:
-            raise ValueError(f"{opts.text_file or 'the text'}: fewer than 2 tokens")
-        window = min(opts.window, model.config.block_size)
-        ppl, counted = perplexity(model, tokens, window, min(stride, window - 1))
-        print(f"perplexity {ppl:.4f} over {counted} tokens ({opts.checkpoint_path})")
-        if opts.json:
+            raise ValueError(f"{args.text_file or 'the text'}: fewer than 2 tokens")
+        window = min(args.window, model.config.block_size)
+        ppl, counted = perplexity(model, tokens, window, min(args.stride, window - 1))
+        print(f"perplexity {ppl:.4f} over {counted} tokens ({args.checkpoint_path})")
+        if args.json:
             print(json.dumps({"perplexity": ppl, "tokens": counted}))
 
 

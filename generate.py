@@ -39,7 +39,8 @@ from checkpoint import (
     user_errors,
     utf8_text,
 )
-from model import Kernels, Transformer, ensure_caches, set_kernels
+from kernels import Kernels, set_kernels
+from model import Transformer, ensure_caches
 from quantize import load_checkpoint_model, prepare_quantized
 from results import Generation, Speculation, TextPieces, check_stop, collect, find_stop, summarize, synchronize
 from sampling import (
@@ -156,7 +157,7 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
     eager, steps = Steps(), {}
     if (
         decode
-    ):  # static shapes: a batch size or speculation depth met later gets its own graph (model.fuses unrolls rows)
+    ):  # static shapes: a batch size or speculation depth met later gets its own graph (kernels.fuses unrolls rows)
         steps = {
             name: torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
             for name in ("decode", "draft", "verify")

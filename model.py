@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import Kernels, Linear, linear
+
 
 @dataclass
 class ModelArgs:
@@ -180,60 +182,11 @@ def check_rope_scaling(scaling: dict, head_dim: int):
             raise ValueError(f"rope_scaling {key} must be a list of {head_dim // 2} positive numbers")
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """How a CPU runs the linear layers: a speed choice made once at load time (see choose), recorded in the
-    run's figures. Numerics follow from it: "fused" computes one-row products (compiled: up to FUSED_ROWS rows)
-    in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
-    bfloat16 only, so float32 is exact but far slower)."""
-
-    float_matvec: str = "library"  # few-row products with float weights: "library" (BLAS) or "fused"
-    quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
-    gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
-    kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
-
-    @classmethod
-    def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto") -> "Kernels":
-        """The fastest measured choice for this CPU (scripts/benchmark.py --kernels shows the measurements).
-
-        "fused" is a multiply-and-sum that torch.compile turns into one pass over the weights in their own
-        dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
-        weights on every CPU measured, and for int8/int4 ones where AVX-512 converts bytes to floats fast
-        enough; on AVX2 ATen's int8/int4 kernels are faster. Widening int8 weights to bfloat16 for a matrix
-        product pays off only with native bfloat16 (AVX512-BF16, AMX): without it, matrix products emulate
-        bfloat16 and lose to float32 (docs/performance.md has the figures behind each choice)."""
-        if matvec not in ("auto", "fused", "library"):
-            raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused or library")
-        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-        native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
-        gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
-        if matvec != "auto":
-            return cls(matvec, matvec, gemm_dtype)
-        fused = "fused" if compiled and device.type == "cpu" else "library"
-        return cls(fused, fused if avx512 else "library", gemm_dtype)
-
-    def describe(self) -> dict:
-        dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
-        return {
-            "cpu": torch.backends.cpu.get_cpu_capability(),
-            "float_matvec": self.float_matvec,
-            "quant_matvec": self.quant_matvec,
-            **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
-        }
-
-
 def model_size_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step reads: all of them but the embedding tables, of which it reads one
     row, unless the output projection reuses the token table (tied embeddings)."""
     skip = {"pos_embeddings.weight"} | ({"tok_embeddings.weight"} if model.output is not None else set())
     return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
-
-
-def set_kernels(model: nn.Module, kernels: Kernels):
-    """Gives every module that computes a linear layer (and the model, for a tied output) this choice."""
-    for module in model.modules():
-        if hasattr(module, "kernels"):
-            module.kernels = kernels
 
 
 def ensure_caches(model: "Transformer", batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False):
@@ -521,40 +474,6 @@ class MoEFeedForward(nn.Module):
         top, chosen = scores.topk(self.top_k, dim=-1)
         weights = torch.zeros_like(scores).scatter(-1, chosen, top / top.sum(-1, keepdim=True)).to(x.dtype)
         return sum(weights[..., e, None] * expert(x) for e, expert in enumerate(self.experts))
-
-
-FUSED_ROWS = 8  # the most rows a compiled fused product takes (a speculative verify of k <= 7, a small batch)
-
-
-def fuses(x: Tensor) -> bool:
-    """Whether a fused product takes x: on a CPU, one row, or up to FUSED_ROWS under torch.compile, which reads
-    each weight once for all rows (a BLAS product of a few rows reads them once per row). Eagerly each row would
-    materialise a weight-sized product."""
-    rows = x.numel() // x.shape[-1]
-    return x.device.type == "cpu" and (rows == 1 or rows <= FUSED_ROWS and torch.compiler.is_compiling())
-
-
-def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None, fused: bool = False
-) -> Tensor:
-    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. fused (for a few rows on a
-    CPU, see fuses): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights."""
-    if fused and fuses(x):
-        w = weight.float()
-        y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
-        y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
-    elif scales is None:
-        y = F.linear(x, weight)
-    else:  # int8 weights, widened for the product (on CUDA, torch.compile fuses that into it)
-        y = F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
-    return y if bias is None else y + bias
-
-
-class Linear(nn.Linear):
-    kernels = Kernels()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, fused=self.kernels.float_matvec == "fused")
 
 
 def make_norm(config: ModelArgs, dim: int) -> nn.Module:

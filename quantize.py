@@ -10,7 +10,8 @@ Every linear layer of the blocks is quantized; the output projection is int8 in 
 it too much quality) and the embedding stays in floating point (a decode step reads one row of it).
 
 The int4 file stores a device-neutral packing (two 4-bit values a byte); the layout of the int4
-kernels (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU) is made at load time.
+kernels (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU) is made at load time, by
+kernels.Int4Linear.prepare.
 """
 
 import argparse
@@ -21,13 +22,13 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import HelpFormatter, load_checkpoint, resolve_checkpoint, save_atomic, user_errors
-from model import Kernels, ModelArgs, Transformer, fuses, linear, set_kernels
+from kernels import Int4Linear, Int8Linear, Kernels, set_kernels
+from model import ModelArgs, Transformer
 from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1
 MODES = ("int8", "int4", "int4-gptq")
 GROUPSIZES = (32, 64, 128, 256)  # what the int4 kernels accept
-GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for a matrix product
 
 
 # ---------------------------------------------------------------- formats and kernels
@@ -62,120 +63,6 @@ def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor, groupsize: int) ->
 def pack_int4(q: Tensor) -> Tensor:
     # [N, K] codes -> [N, K / 2] bytes: column 2i in the high nibble, 2i+1 in the low one
     return (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
-
-
-class Int8Linear(nn.Module):
-    """y = x @ (int8 weight * per-channel scale).T + bias; the weight stays int8 in memory."""
-
-    kernels = Kernels()
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.empty(out_features))
-        # The scales as the CPU kernel takes them, made by prepare(): a buffer, not a cast in the compiled graph
-        # (inductor's lowering of the kernel needs its scales realised).
-        self.register_buffer("kernel_scales", None, persistent=False)
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def prepare(self):
-        self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
-
-    def forward(self, x: Tensor) -> Tensor:
-        fused = self.kernels.quant_matvec == "fused"
-        if x.is_cuda or fused and fuses(x):  # see model.linear
-            return linear(x, self.weight, self.bias, self.scales, fused=fused)
-        x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] >= GEMM_ROWS:
-            # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product with
-            # the weight widened for the call is faster from GEMM_ROWS rows: prefill and large batches.
-            y = linear(x2d.to(self.kernels.gemm_dtype), self.weight, None, self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(
-                x2d.to(self.kernels.kernel_activations), self.weight, self.kernel_scales
-            )
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
-
-class Int4Linear(nn.Module):
-    """Group-wise asymmetric 4-bit weights; the kernel layout (`packed`) is made by prepare() on the device."""
-
-    kernels = Kernels()
-
-    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
-        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-        self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2))
-        self.register_buffer("packed", None, persistent=False)
-        self.register_buffer("groupsize_tensor", None, persistent=False)  # CPU only: see forward
-        self.register_buffer("kernel_scales_and_zeros", None, persistent=False)  # in the kernels' activation dtype
-        # CPU only, for fused one-row products (see forward): byte j holds inputs j and j + K/2, and the
-        # group scales and offsets as [N, K / groupsize] float32, where weight = code * scale + offset.
-        self.register_buffer("halves", None, persistent=False)
-        self.register_buffer("group_scales", None, persistent=False)
-        self.register_buffer("group_offsets", None, persistent=False)
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def prepare(self):
-        """Converts the stored packing to the layout of this device's int4 kernel, and to the halves layout
-        when one-row products are fused (kernels.quant_matvec) and each half of the inputs holds whole groups."""
-        cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
-        self.kernel_scales_and_zeros = self.scales_and_zeros.to(
-            torch.bfloat16 if cuda else self.kernels.kernel_activations
-        )
-        if cuda:
-            # The CUDA layout tiles K by 16 x innerKTiles (8, 4 or 2): take the largest that divides it.
-            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(self.weight, inner_k_tiles)
-        else:  # rows pack independently; chunks keep the int32 temporaries small (they fragment the heap)
-            rows = range(0, self.out_features, 256)
-            pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-            codes = unpack_int4(self.weight)
-            self.packed = torch.cat([pack(codes[i : i + 256].int(), 2) for i in rows])
-            self.groupsize_tensor = torch.tensor(self.groupsize)
-            half = self.in_features // 2
-            self.halves = self.group_scales = self.group_offsets = None  # from an earlier choice of kernels
-            if self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
-                self.halves = codes[:, :half] | codes[:, half:] << 4
-                self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
-                # (code - 8) * scale + zero, folded into one multiply-add per weight in forward
-                zeros = self.scales_and_zeros[..., 1].T.float()
-                self.group_offsets = (zeros - 8 * self.group_scales).contiguous()
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.halves is not None and x.numel() == self.in_features:
-            # A float32 multiply-and-sum that torch.compile fuses into one pass over the 4-bit codes, like
-            # model.linear; the halves layout lets it unpack a byte with two vectorised ops (interleaved
-            # nibbles defeat vectorisation).
-            n, half = self.halves.shape
-            groups = half // self.groupsize
-            xs = x.reshape(2, groups, self.groupsize).float()
-
-            def part(codes: Tensor, i: int) -> Tensor:  # inputs i * K/2 .. (i + 1) * K/2
-                g = slice(i * groups, (i + 1) * groups)
-                w = codes.view(n, groups, self.groupsize).float() * self.group_scales[:, g, None]
-                return (xs[i] * (w + self.group_offsets[:, g, None])).sum((-1, -2))
-
-            y = (part(self.halves & 15, 0) + part(self.halves >> 4, 1)).to(x.dtype).reshape(*x.shape[:-1], n)
-            return y if self.bias is None else y + self.bias
-        x2d = x.reshape(-1, self.in_features)
-        sz = self.kernel_scales_and_zeros
-        if x.is_cuda:  # the CUDA kernel takes bfloat16 only
-            y = torch.ops.aten._weight_int4pack_mm(x2d.to(torch.bfloat16), self.packed, self.groupsize, sz).to(x.dtype)
-        else:  # the kernel behind aten._weight_int4pack_mm_for_cpu, taking the group size as a tensor: inductor
-            # turns an int group size into a constant, which torch 2.13 leaves unset inside a layer compiled once
-            # for all (model.TransformerBlock), so the compiled step would fail
-            y = torch.ops.quantized.int4mm_packed_weight_cpu(x2d.to(sz.dtype), self.packed, self.groupsize_tensor, sz)
-            y = y.to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
 
 
 def quantized_linears(model) -> list[tuple[str, nn.Linear]]:
@@ -434,7 +321,7 @@ def default_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="the floating-point model.pth")
     parser.add_argument(
@@ -449,19 +336,24 @@ def main(argv=None):
     parser.add_argument("--calibration_samples", type=int, default=32, help="GPTQ: sequences of calibration text")
     parser.add_argument("--calibration_seq_length", type=int, default=512, help="GPTQ: tokens per sequence")
     parser.add_argument("--act_order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
-    opts = parser.parse_args(argv)
-    if opts.calibration_samples < 1 or opts.calibration_seq_length < 1:
+    args = parser.parse_args(argv)
+    if args.calibration_samples < 1 or args.calibration_seq_length < 1:
         parser.error("--calibration_samples and --calibration_seq_length must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with user_errors():
-        text = read_text(opts.calibration_file) if opts.calibration_file else None
+        text = read_text(args.calibration_file) if args.calibration_file else None
         out = quantize_checkpoint(
-            opts.checkpoint_path,
-            opts.mode,
-            opts.groupsize,
+            args.checkpoint_path,
+            args.mode,
+            args.groupsize,
             text,
-            opts.calibration_samples,
-            opts.calibration_seq_length,
-            opts.act_order,
+            args.calibration_samples,
+            args.calibration_seq_length,
+            args.act_order,
         )
         print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
-from model import Linear, ModelArgs, MoEFeedForward, Transformer
-from quantize import Int4Linear, Int8Linear
+from kernels import Int4Linear, Int8Linear, Linear
+from model import ModelArgs, MoEFeedForward, Transformer
 
 # A rank waits this long for the others in a collective before giving up: a dead or hung peer ends the job
 # with an error instead of a hang. It must outlast the slowest rank's torch.compile between two collectives.

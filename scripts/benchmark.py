@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT_CHECKPOINT, DEFAULT_DEVICE, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
 from generate import compile_steps, generate, load_model  # noqa: E402
-from model import Kernels, ModelArgs, Transformer, ensure_caches, model_size_bytes, set_kernels  # noqa: E402
+from kernels import Kernels, set_kernels  # noqa: E402
+from model import ModelArgs, Transformer, ensure_caches, model_size_bytes  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
 from results import synchronize  # noqa: E402
 
@@ -82,7 +83,7 @@ class Entry:
 class Config:
     compiled: bool
     precision: str
-    matvec: str  # auto, fused or library: see model.Kernels
+    matvec: str  # auto, fused or library: see kernels.Kernels
 
 
 def parse_configs(text: str) -> list[Config]:
@@ -451,7 +452,7 @@ def parse_args(argv=None):
         type=parse_configs,
         default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
         help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library]; the last "
-        "part picks the CPU one-row kernels (auto: the fastest for this CPU, see model.Kernels)",
+        "part picks the CPU one-row kernels (auto: the fastest for this CPU, see kernels.Kernels)",
     )
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
     p.add_argument("--draft", type=Path, default=None, help="also each config with this draft model (speculative)")

@@ -173,12 +173,12 @@ def rounded_int4_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return quantize_int4_values(w, scales, zeros, INT4_GROUPSIZE), scales, zeros
 
 
-def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype, int4: bool = False) -> tuple[dict, dict]:
+def convert_gguf_state_dict(reader, config: ModelArgs, dtype: torch.dtype, int4: bool = False) -> tuple[dict, dict]:
     """Our state dict, and with int4 the (codes, scales, zeros) of every linear layer of the blocks."""
     # llama.cpp stores llama's q/k rows in the interleaved rotary order we use; other architectures (NEOX rotary)
     # keep Hugging Face's rotate-half order, permuted here as convert_hf_checkpoint does.
     rotate_half = metadata(reader, "general.architecture") != "llama"
-    gemma = args.norm_type == "gemma_rmsnorm"
+    gemma = config.norm_type == "gemma_rmsnorm"
     out, int4_groups, qkv = {}, {}, {}
     for tensor in reader.tensors:
         name, t = tensor.name, gguf_tensor(tensor)
@@ -205,7 +205,7 @@ def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype, int4: b
                     int4_groups[ours.removesuffix(".weight")] = groups
             elif rest.split(".")[0] in ("attn_q", "attn_k", "attn_v"):
                 proj, kind = rest.split(".")
-                heads = {"attn_q": args.n_head, "attn_k": args.n_kv_heads}.get(proj)
+                heads = {"attn_q": config.n_head, "attn_k": config.n_kv_heads}.get(proj)
                 if rotate_half and heads:
                     t = permute_rotary(t, heads)
                     groups = None if groups is None else tuple(permute_rotary(g, heads) for g in groups)
@@ -226,7 +226,7 @@ def convert_gguf_state_dict(reader, args: ModelArgs, dtype: torch.dtype, int4: b
     return out, int4_groups
 
 
-def int4_checkpoint(state_dict: dict, args: ModelArgs, int4_groups: dict) -> dict:
+def int4_checkpoint(state_dict: dict, config: ModelArgs, int4_groups: dict) -> dict:
     """Our int4 g32 checkpoint of the converted model, its block layers' codes taken from int4_groups."""
     for name, (codes, _, _) in int4_groups.items():
         if codes.shape[0] % 16:  # the int4 kernels' tile height
@@ -234,7 +234,7 @@ def int4_checkpoint(state_dict: dict, args: ModelArgs, int4_groups: dict) -> dic
                 f"--int4 needs a multiple of 16 outputs; {name} has {codes.shape[0]}: quantize.py --mode int8"
             )
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(config)
     model.load_state_dict(state_dict, assign=True)
     fmt = quantization_format("int4", INT4_GROUPSIZE, "gguf")
     return {"quantization": fmt, "state_dict": quantized_state_dict(model, "int4", INT4_GROUPSIZE, int4_groups)}
@@ -254,9 +254,9 @@ def save_gguf_tokenizer(gguf_path: Path, folder: Path):
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32, int4: bool = False) -> ModelArgs:
     reader = open_gguf(gguf_path)
     try:
-        args = gguf_config_to_args(reader)
-        state_dict, int4_groups = convert_gguf_state_dict(reader, args, dtype, int4)
-        quantized = int4_checkpoint(state_dict, args, int4_groups) if int4 else None
+        config = gguf_config_to_args(reader)
+        state_dict, int4_groups = convert_gguf_state_dict(reader, config, dtype, int4)
+        quantized = int4_checkpoint(state_dict, config, int4_groups) if int4 else None
     except (KeyError, ValueError) as e:
         raise ValueError(f"{gguf_path}: {e}") from None
 
@@ -265,20 +265,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         if quantized is not None:
             save_atomic(quantized, folder / INT4_FILE)
 
-    write_checkpoint(Path(out_dir), state_dict, args, fill_folder)
-    return args
+    write_checkpoint(Path(out_dir), state_dict, config, fill_folder)
+    return config
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the dequantized weights")
     parser.add_argument("--int4", action="store_true", help=f"also write {INT4_FILE}, 4-bit blocks kept as they are")
-    opts = parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with user_errors():
-        args = convert_gguf(opts.gguf, opts.out_dir, DTYPES[opts.dtype], opts.int4)
-    print(f"wrote {opts.out_dir} ({args.n_layer} layers, dim {args.dim}, vocab {args.vocab_size})")
+        config = convert_gguf(args.gguf, args.out_dir, DTYPES[args.dtype], args.int4)
+    print(f"wrote {args.out_dir} ({config.n_layer} layers, dim {config.dim}, vocab {config.vocab_size})")
 
 
 if __name__ == "__main__":

@@ -296,10 +296,10 @@ def hf_name_parts(name: str) -> tuple[str | None, str]:
     return None, name
 
 
-def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -> dict:
+def convert_hf_state_dict(tensors, config: ModelArgs, dtype: torch.dtype | None) -> dict:
     out, pending_qkv = {}, {}
-    q_size, kv_size = args.n_head * args.head_dim, args.n_kv_heads * args.head_dim
-    rotary = args.position_embedding == "rope"
+    q_size, kv_size = config.n_head * config.head_dim, config.n_kv_heads * config.head_dim
+    rotary = config.position_embedding == "rope"
     for name, t in tensors:
         t = t.to(dtype) if dtype is not None else t
         index, rest = hf_name_parts(name)
@@ -309,7 +309,7 @@ def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -
         if index is None:
             if module not in TOP_RENAMES:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if module == "lm_head" and args.tie_word_embeddings:
+            if module == "lm_head" and config.tie_word_embeddings:
                 continue  # stored once, as tok_embeddings.weight
             out[f"{TOP_RENAMES[module]}.{kind}"] = t
             continue
@@ -323,7 +323,7 @@ def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -
             if len(group) == 3:
                 q, k, v = group["q"], group["k"], group["v"]
                 if rotary:
-                    q, k = permute_rotary(q, args.n_head), permute_rotary(k, args.n_kv_heads)
+                    q, k = permute_rotary(q, config.n_head), permute_rotary(k, config.n_kv_heads)
                 out[f"{prefix}attention.wqkv.{kind}"] = torch.cat([q, k, v])
                 del pending_qkv[(index, kind)]
         elif module == "mlp.gate_up_proj":  # Phi-3: gate and up projections stacked
@@ -332,7 +332,7 @@ def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -
             out[f"{prefix}feed_forward.experts.{module.split('.', 2)[2]}.{kind}"] = t
         elif module in LAYER_RENAMES:
             ours = LAYER_RENAMES[module]
-            if module == "post_attention_layernorm" and args.post_norms:
+            if module == "post_attention_layernorm" and config.post_norms:
                 ours = "post_attention_norm"
             if module == "block_sparse_moe.gate":
                 out[f"{prefix}{ours}"] = t
@@ -347,10 +347,10 @@ def convert_hf_state_dict(tensors, args: ModelArgs, dtype: torch.dtype | None) -
     return out
 
 
-def check_state_dict(state_dict: dict, args: ModelArgs):
+def check_state_dict(state_dict: dict, config: ModelArgs):
     """Raises ValueError unless state_dict has exactly the parameters (names and shapes) of the model."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+        expected = {k: v.shape for k, v in Transformer(config).state_dict().items()}
     missing = sorted(set(expected) - set(state_dict))
     extra = sorted(set(state_dict) - set(expected))
     if missing or extra:
@@ -362,16 +362,16 @@ def check_state_dict(state_dict: dict, args: ModelArgs):
             )
 
 
-def write_checkpoint(out_dir: Path, state_dict: dict, args: ModelArgs, fill_tokenizer):
+def write_checkpoint(out_dir: Path, state_dict: dict, config: ModelArgs, fill_tokenizer):
     """Writes model.pth, config.json and (through fill_tokenizer(folder)) the tokenizer files, atomically."""
-    check_state_dict(state_dict, args)
+    check_state_dict(state_dict, config)
     out_dir = out_dir.resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     set_ordinary_mode(tmp, 0o777)
     try:
         save_tensors(state_dict, tmp / "model.pth", shown_as=out_dir / "model.pth")
-        (tmp / "config.json").write_text(args.to_json() + "\n")
+        (tmp / "config.json").write_text(config.to_json() + "\n")
         fill_tokenizer(tmp)
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
@@ -393,32 +393,37 @@ def convert_hf_checkpoint(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtyp
     config_path = checkpoint_dir / "config.json"
     hf = read_json(config_path)
     try:
-        args = hf_config_to_args(hf)
+        config = hf_config_to_args(hf)
     except KeyError as e:
         raise ValueError(f"{config_path}: missing field {e}") from None
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
     load_tokenizer(checkpoint_dir)  # refused now, if missing or damaged, rather than when the checkpoint is used
-    state_dict = convert_hf_state_dict(iter_hf_tensors(checkpoint_dir), args, dtype)
+    state_dict = convert_hf_state_dict(iter_hf_tensors(checkpoint_dir), config, dtype)
 
     def copy_tokenizer(folder: Path):
         for name in TOKENIZER_FILES:
             if (checkpoint_dir / name).is_file():
                 shutil.copy(checkpoint_dir / name, folder / name)
 
-    write_checkpoint(Path(out_dir), state_dict, args, copy_tokenizer)
-    return args
+    write_checkpoint(Path(out_dir), state_dict, config, copy_tokenizer)
+    return config
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="Hugging Face model folder")
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, help="convert weights to this dtype (default: keep as stored)")
-    opts = parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with user_errors():
-        args = convert_hf_checkpoint(opts.checkpoint_dir, opts.out_dir, DTYPES.get(opts.dtype))
-    print(f"wrote {opts.out_dir} ({args.n_layer} layers, dim {args.dim}, vocab {args.vocab_size})")
+        config = convert_hf_checkpoint(args.checkpoint_dir, args.out_dir, DTYPES.get(args.dtype))
+    print(f"wrote {args.out_dir} ({config.n_layer} layers, dim {config.dim}, vocab {config.vocab_size})")
 
 
 if __name__ == "__main__":

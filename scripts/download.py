@@ -33,19 +33,24 @@ def download(repo_id: str, local_dir: Path, token: str | None = None) -> Path:
     )
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo_id", required=True, help="e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--local_dir", type=Path, required=True, help="where to put the files")
     parser.add_argument("--hf_token", default=None, help="token for gated repos (default: HF_TOKEN)")
-    opts = parser.parse_args()
+    args = parser.parse_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
-        path = download(opts.repo_id, opts.local_dir, opts.hf_token)
+        path = download(args.repo_id, args.local_dir, args.hf_token)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as e:  # network, authentication and unknown-repo errors all end here
-        sys.exit(f"error: could not download {opts.repo_id}: {type(e).__name__}: {e}")
-    print(f"downloaded {opts.repo_id} to {path}")
+        sys.exit(f"error: could not download {args.repo_id}: {type(e).__name__}: {e}")
+    print(f"downloaded {args.repo_id} to {path}")
 
 
 if __name__ == "__main__":

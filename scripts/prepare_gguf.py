@@ -169,12 +169,17 @@ def prepare(name: str) -> Path:
     return out
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="smollm2", help=f"one of: {', '.join(MODELS)}")
-    opts = parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with user_errors():
-        prepare(opts.model)
+        prepare(args.model)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def run_pair(target, draft, prompt: list[int], max_new_tokens: int, k: int, step
     return plain, fast, fast_time
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--target", type=Path, required=True, help="the target checkpoint (any model*.pth)")
     parser.add_argument("--draft", type=Path, required=True, help="the draft checkpoint; same tokenizer as the target")
@@ -49,33 +49,38 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="floating-point dtype (default: float32 on CPU)")
     parser.add_argument("--device", type=device_flag, default=DEFAULT_DEVICE)
     parser.add_argument("--raw", action="store_true", help="send the prompts as plain text, not as chat turns")
-    opts = parser.parse_args(argv)
-    if opts.max_new_tokens < 1 or opts.speculate_k < 1:
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.speculate_k < 1:
         parser.error("--max_new_tokens and --speculate_k must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     with user_errors():
-        device = opts.device
+        device = args.device
         target, tokenizer, draft = load_models(
-            opts.target, device, opts.dtype, opts.compile, draft_checkpoint_path=opts.draft
+            args.target, device, args.dtype, args.compile, draft_checkpoint_path=args.draft
         )
-        texts = opts.prompt or PROMPTS
-        chat = tokenizer.chat_template and not opts.raw
+        texts = args.prompt or PROMPTS
+        chat = tokenizer.chat_template and not args.raw
         prompts = [
             tokenizer.encode_chat([{"role": "user", "content": t}]) if chat else tokenizer.encode(t) for t in texts
         ]
         for m in (target, draft):  # one cache size for every run: nothing recompiles
-            ensure_caches(m, 1, max(map(len, prompts)), opts.max_new_tokens + opts.speculate_k + 1)
-        steps = compile_steps(device, opts.compile)
-        args = (opts.max_new_tokens, opts.speculate_k, steps, tokenizer.eos_ids)
+            ensure_caches(m, 1, max(map(len, prompts)), args.max_new_tokens + args.speculate_k + 1)
+        steps = compile_steps(device, args.compile)
+        settings = (args.max_new_tokens, args.speculate_k, steps, tokenizer.eos_ids)
         start = time.perf_counter()
-        run_pair(target, draft, prompts[0], *args)  # compiles (with --compile) and warms up
+        run_pair(target, draft, prompts[0], *settings)  # compiles (with --compile) and warms up
         print(
-            f"target {opts.target}, draft {opts.draft}, k={opts.speculate_k}, "
-            f"{'compiled' if opts.compile else 'eager'}, "
+            f"target {args.target}, draft {args.draft}, k={args.speculate_k}, "
+            f"{'compiled' if args.compile else 'eager'}, "
             f"{target.tok_embeddings.weight.dtype}, warm-up {time.perf_counter() - start:.1f} s\n"
         )
         rows = []  # per prompt: (tokens, seconds alone, seconds speculative, accepted-length histogram)
         for text, prompt in zip(texts, prompts):
-            plain, fast, fast_time = run_pair(target, draft, prompt, *args)
+            plain, fast, fast_time = run_pair(target, draft, prompt, *settings)
             n, plain_time = len(plain.tokens[0]), plain.time_to_first_token_s + plain.decode_time_s
             rows.append((n, plain_time, fast_time, fast.speculation["accepted_length_histogram"]))
             print(f"--- {text!r}\n{tokenizer.decode(plain.tokens[0]).strip()}\n")

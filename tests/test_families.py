@@ -9,7 +9,7 @@ import transformers as tf
 from conftest import TINY_VOCAB, assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from generate import generate, load_model
-from model import Kernels
+from kernels import Kernels
 from quantize import quantize_model
 
 pytestmark = pytest.mark.numerics

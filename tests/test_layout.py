@@ -1,5 +1,5 @@
-"""The module graph: data flows one way (scripts -> generate -> quantize / tp -> model), no cycles, no project
-imports hidden inside functions, and a script run as __main__ is never imported a second time."""
+"""The module graph: data flows one way (scripts -> generate -> quantize / tp -> model -> kernels), no cycles, no
+project imports hidden inside functions, and a script run as __main__ is never imported a second time."""
 
 import ast
 import re
@@ -67,8 +67,18 @@ def test_import_graph_is_acyclic_and_flows_one_way():
             nested[path.name] = inside
     assert not nested, f"project imports inside functions: {nested}"
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
-    assert graph["model"] == set() and graph["tokenizer"] == set() and graph["sampling"] == set()
-    for module in ("quantize", "tp", "checkpoint", "results", "convert_hf_checkpoint", "convert_gguf"):
+    assert graph["kernels"] == set() and graph["tokenizer"] == set() and graph["sampling"] == set()
+    assert graph["model"] == {"kernels"} and "kernels" in graph["quantize"]
+    for module in (
+        "kernels",
+        "model",
+        "quantize",
+        "tp",
+        "checkpoint",
+        "results",
+        "convert_hf_checkpoint",
+        "convert_gguf",
+    ):
         assert "generate" not in reachable(graph, module), f"{module} reaches generate.py"
     assert not [name for name, deps in graph.items() if "server" in deps], "server.py is a leaf: nothing imports it"
     for name in ("server", "eval", "benchmark", "bench_server", "speculative_demo"):  # as README's tour says

@@ -8,11 +8,12 @@ import sys
 import pytest
 import torch
 
+import kernels
 import quantize as qz
 from checkpoint import save_atomic
 from conftest import ROOT, assert_same_greedy
 from generate import compile_steps, generate, load_model
-from model import Kernels
+from kernels import Kernels
 from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.numerics
@@ -29,7 +30,7 @@ def test_int8_linear_matches_float64_reference(bias, batch):
     w, x = torch.randn(96, 160), torch.randn(batch, 3, 160)
     q, scales = qz.quantize_int8(w)
     assert q.dtype == torch.int8 and (q.float() * scales[:, None] - w).abs().max() <= scales.max() / 2 + 1e-6
-    layer = qz.Int8Linear(160, 96, bias)
+    layer = kernels.Int8Linear(160, 96, bias)
     layer.weight, layer.scales = q, scales
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(96))
@@ -48,7 +49,7 @@ def test_int4_linear_matches_float64_reference(groupsize):
     codes = qz.quantize_int4_values(w, scales, zeros, groupsize)
     dequantized = qz.dequantize_int4(codes, scales, zeros, groupsize)
     assert codes.max() <= 15 and (dequantized - w).abs().max() <= scales.max() / 2 + 1e-5
-    layer = qz.Int4Linear(256, 96, groupsize)
+    layer = kernels.Int4Linear(256, 96, groupsize)
     layer.weight = qz.pack_int4(codes)
     layer.scales_and_zeros = torch.stack([scales.T, zeros.T], dim=-1)
     layer.prepare()
@@ -58,7 +59,7 @@ def test_int4_linear_matches_float64_reference(groupsize):
 def test_pack_and_save_round_trips_exactly(tmp_path):
     codes = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
     packed = qz.pack_int4(codes)
-    assert packed.shape == (7, 32) and torch.equal(qz.unpack_int4(packed), codes)
+    assert packed.shape == (7, 32) and torch.equal(kernels.unpack_int4(packed), codes)
     state = {"w": packed, "s": torch.randn(2, 7, 2), "q": torch.randint(-128, 127, (3, 4), dtype=torch.int8)}
     save_atomic({"quantization": {"version": 1}, "state_dict": state}, tmp_path / "f.pth")
     loaded = torch.load(tmp_path / "f.pth", weights_only=True)["state_dict"]
@@ -102,8 +103,10 @@ def test_quantized_checkpoints_load_and_stay_close(quantized_checkpoints):
         expected = reference(x, torch.arange(24))
         for mode, path in paths.items():
             model = load_model(path)
-            assert isinstance(model.layers[0].attention.wqkv, qz.Int8Linear if mode == "int8" else qz.Int4Linear)
-            assert isinstance(model.output, qz.Int8Linear)
+            assert isinstance(
+                model.layers[0].attention.wqkv, kernels.Int8Linear if mode == "int8" else kernels.Int4Linear
+            )
+            assert isinstance(model.output, kernels.Int8Linear)
             model.setup_caches(2, 24)
             # The quantization error itself, large on random weights: int8 0.03, int4 0.33, GPTQ 0.43 here (GPTQ
             # calibrates on text this random model does not predict). Broken kernels or layouts decorrelate the

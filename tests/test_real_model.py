@@ -5,7 +5,7 @@ import torch
 
 from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_greedy
 from generate import compile_steps, generate, load_model
-from model import Kernels
+from kernels import Kernels
 from quantize import quantize_model
 from tokenizer import load_tokenizer
 

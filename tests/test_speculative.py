@@ -11,7 +11,8 @@ import generate as gen
 import quantize as qz
 from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
-from model import Kernels, ModelArgs, Transformer
+from kernels import Kernels
+from model import ModelArgs, Transformer
 from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_state, set_row
 
 

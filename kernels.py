@@ -1,0 +1,213 @@
+"""How a linear layer runs: on a CPU, the kernel choice (Kernels), the fused multiply-and-sum and the library
+paths; the int8 and int4 layers' forward on CPU and CUDA. model.py builds its layers from Linear, quantize.py
+swaps in Int8Linear / Int4Linear and writes the formats they read.
+
+The int4 weight arrives in a device-neutral packing (two 4-bit codes a byte, see quantize.pack_int4); prepare()
+makes the layout of the device's int4 kernel (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for a matrix product
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How a CPU runs the linear layers: a speed choice made once at load time (see choose), recorded in the
+    run's figures. Numerics follow from it: "fused" computes one-row products (compiled: up to FUSED_ROWS rows)
+    in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
+    bfloat16 only, so float32 is exact but far slower)."""
+
+    float_matvec: str = "library"  # few-row products with float weights: "library" (BLAS) or "fused"
+    quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
+    gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
+    kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
+
+    @classmethod
+    def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto") -> "Kernels":
+        """The fastest measured choice for this CPU (scripts/benchmark.py --kernels shows the measurements).
+
+        "fused" is a multiply-and-sum that torch.compile turns into one pass over the weights in their own
+        dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
+        weights on every CPU measured, and for int8/int4 ones where AVX-512 converts bytes to floats fast
+        enough; on AVX2 ATen's int8/int4 kernels are faster. Widening int8 weights to bfloat16 for a matrix
+        product pays off only with native bfloat16 (AVX512-BF16, AMX): without it, matrix products emulate
+        bfloat16 and lose to float32 (docs/performance.md has the figures behind each choice)."""
+        if matvec not in ("auto", "fused", "library"):
+            raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused or library")
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
+        gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
+        if matvec != "auto":
+            return cls(matvec, matvec, gemm_dtype)
+        fused = "fused" if compiled and device.type == "cpu" else "library"
+        return cls(fused, fused if avx512 else "library", gemm_dtype)
+
+    def describe(self) -> dict:
+        dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
+        return {
+            "cpu": torch.backends.cpu.get_cpu_capability(),
+            "float_matvec": self.float_matvec,
+            "quant_matvec": self.quant_matvec,
+            **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
+        }
+
+
+def set_kernels(model: nn.Module, kernels: Kernels):
+    """Gives every module that computes a linear layer (and the model, for a tied output) this choice."""
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels
+
+
+FUSED_ROWS = 8  # the most rows a compiled fused product takes (a speculative verify of k <= 7, a small batch)
+
+
+def fuses(x: Tensor) -> bool:
+    """Whether a fused product takes x: on a CPU, one row, or up to FUSED_ROWS under torch.compile, which reads
+    each weight once for all rows (a BLAS product of a few rows reads them once per row). Eagerly each row would
+    materialise a weight-sized product."""
+    rows = x.numel() // x.shape[-1]
+    return x.device.type == "cpu" and (rows == 1 or rows <= FUSED_ROWS and torch.compiler.is_compiling())
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None, fused: bool = False
+) -> Tensor:
+    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. fused (for a few rows on a
+    CPU, see fuses): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights."""
+    if fused and fuses(x):
+        w = weight.float()
+        y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
+        y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
+    elif scales is None:
+        y = F.linear(x, weight)
+    else:  # int8 weights, widened for the product (on CUDA, torch.compile fuses that into it)
+        y = F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    kernels = Kernels()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, fused=self.kernels.float_matvec == "fused")
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (int8 weight * per-channel scale).T + bias; the weight stays int8 in memory."""
+
+    kernels = Kernels()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features))
+        # The scales as the CPU kernel takes them, made by prepare(): a buffer, not a cast in the compiled graph
+        # (inductor's lowering of the kernel needs its scales realised).
+        self.register_buffer("kernel_scales", None, persistent=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def prepare(self):
+        self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        fused = self.kernels.quant_matvec == "fused"
+        if x.is_cuda or fused and fuses(x):  # see linear
+            return linear(x, self.weight, self.bias, self.scales, fused=fused)
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] >= GEMM_ROWS:
+            # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product with
+            # the weight widened for the call is faster from GEMM_ROWS rows: prefill and large batches.
+            y = linear(x2d.to(self.kernels.gemm_dtype), self.weight, None, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(
+                x2d.to(self.kernels.kernel_activations), self.weight, self.kernel_scales
+            )
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """Group-wise asymmetric 4-bit weights; the kernel layout (`packed`) is made by prepare() on the device."""
+
+    kernels = Kernels()
+
+    def __init__(self, in_features: int, out_features: int, groupsize: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.groupsize = in_features, out_features, groupsize
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.empty(in_features // groupsize, out_features, 2))
+        self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("groupsize_tensor", None, persistent=False)  # CPU only: see forward
+        self.register_buffer("kernel_scales_and_zeros", None, persistent=False)  # in the kernels' activation dtype
+        # CPU only, for fused one-row products (see forward): byte j holds inputs j and j + K/2, and the
+        # group scales and offsets as [N, K / groupsize] float32, where weight = code * scale + offset.
+        self.register_buffer("halves", None, persistent=False)
+        self.register_buffer("group_scales", None, persistent=False)
+        self.register_buffer("group_offsets", None, persistent=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def prepare(self):
+        """Converts the stored packing to the layout of this device's int4 kernel, and to the halves layout
+        when one-row products are fused (kernels.quant_matvec) and each half of the inputs holds whole groups."""
+        cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
+        self.kernel_scales_and_zeros = self.scales_and_zeros.to(
+            torch.bfloat16 if cuda else self.kernels.kernel_activations
+        )
+        if cuda:
+            # The CUDA layout tiles K by 16 x innerKTiles (8, 4 or 2): take the largest that divides it.
+            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(self.weight, inner_k_tiles)
+        else:  # rows pack independently; chunks keep the int32 temporaries small (they fragment the heap)
+            rows = range(0, self.out_features, 256)
+            pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+            codes = unpack_int4(self.weight)
+            self.packed = torch.cat([pack(codes[i : i + 256].int(), 2) for i in rows])
+            self.groupsize_tensor = torch.tensor(self.groupsize)
+            half = self.in_features // 2
+            self.halves = self.group_scales = self.group_offsets = None  # from an earlier choice of kernels
+            if self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
+                self.halves = codes[:, :half] | codes[:, half:] << 4
+                self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
+                # (code - 8) * scale + zero, folded into one multiply-add per weight in forward
+                zeros = self.scales_and_zeros[..., 1].T.float()
+                self.group_offsets = (zeros - 8 * self.group_scales).contiguous()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.halves is not None and x.numel() == self.in_features:
+            # A float32 multiply-and-sum that torch.compile fuses into one pass over the 4-bit codes, like
+            # linear; the halves layout lets it unpack a byte with two vectorised ops (interleaved
+            # nibbles defeat vectorisation).
+            n, half = self.halves.shape
+            groups = half // self.groupsize
+            xs = x.reshape(2, groups, self.groupsize).float()
+
+            def part(codes: Tensor, i: int) -> Tensor:  # inputs i * K/2 .. (i + 1) * K/2
+                g = slice(i * groups, (i + 1) * groups)
+                w = codes.view(n, groups, self.groupsize).float() * self.group_scales[:, g, None]
+                return (xs[i] * (w + self.group_offsets[:, g, None])).sum((-1, -2))
+
+            y = (part(self.halves & 15, 0) + part(self.halves >> 4, 1)).to(x.dtype).reshape(*x.shape[:-1], n)
+            return y if self.bias is None else y + self.bias
+        x2d = x.reshape(-1, self.in_features)
+        sz = self.kernel_scales_and_zeros
+        if x.is_cuda:  # the CUDA kernel takes bfloat16 only
+            y = torch.ops.aten._weight_int4pack_mm(x2d.to(torch.bfloat16), self.packed, self.groupsize, sz).to(x.dtype)
+        else:  # the kernel behind aten._weight_int4pack_mm_for_cpu, taking the group size as a tensor: inductor
+            # turns an int group size into a constant, which torch 2.13 leaves unset inside a layer compiled once
+            # for all (model.TransformerBlock), so the compiled step would fail
+            y = torch.ops.quantized.int4mm_packed_weight_cpu(x2d.to(sz.dtype), self.packed, self.groupsize_tensor, sz)
+            y = y.to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
