@@ -155,9 +155,8 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
         # own re-check of each is a measurable share of a small model's decode step.
         step = {"options": {"size_asserts": False}}
     eager, steps = Steps(), {}
-    if (
-        decode
-    ):  # static shapes: a batch size or speculation depth met later gets its own graph (kernels.fuses unrolls rows)
+    # Static shapes: a batch size or speculation depth met later gets its own graph (kernels.fuses unrolls rows).
+    if decode:
         steps = {
             name: torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
             for name in ("decode", "draft", "verify")
