@@ -687,17 +687,17 @@ def chat_loop(chat: Chat, read_line: Callable[[], bytes]):
 def load_models(
     checkpoint_path: str | Path,
     device: torch.device,
-    dtype: str | None = None,
+    dtype_name: str | None = None,
     compiled: bool = False,
     matvec: str = "auto",
     draft_checkpoint_path: str | Path | None = None,
     shard=None,
 ) -> tuple[Transformer, Tokenizer, Transformer | None]:
     """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
-    the tokenizer. dtype: a name of checkpoint.DTYPES, None for bfloat16 on CUDA and float32 on a CPU (most CPUs
+    the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for bfloat16 on CUDA and float32 on a CPU (most CPUs
     have no native bfloat16 matrix products); the CPU kernels are Kernels.choose(device, compiled, matvec)."""
     kernels = Kernels.choose(device, compiled, matvec)
-    dtype = DTYPES[dtype] if dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = DTYPES[dtype_name] if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = load_model(checkpoint_path, device, dtype, shard, kernels)
     tokenizer = load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
     draft = None
