@@ -19,8 +19,8 @@ GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for
 @dataclass(frozen=True)
 class Kernels:
     """How a CPU runs the linear layers: a speed choice made once at load time (see choose), recorded in the
-    run's figures. Numerics follow from it: "fused" computes one-row products (compiled: up to FUSED_ROWS rows)
-    in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
+    run's figures. Numerics follow from it: "fused" computes products of up to the caller's fused_rows rows (see
+    linear) in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
     bfloat16 only, so float32 is exact but far slower)."""
 
     float_matvec: str = "library"  # few-row products with float weights: "library" (BLAS) or "fused"
@@ -65,23 +65,23 @@ def set_kernels(model: nn.Module, kernels: Kernels):
             module.kernels = kernels
 
 
-FUSED_ROWS = 8  # the most rows a compiled fused product takes (a speculative verify of k <= 7, a small batch)
+# The fused_rows that compiled steps pass (decode.compile_steps): a speculative verify of k <= 7, a small batch.
+# torch.compile reads each weight once for all these rows, where a BLAS product of a few rows reads it once per row.
+# Eager steps pass 1: run eagerly, each row of a fused product materialises a weight-sized temporary.
+FUSED_ROWS = 8
 
 
-def fuses(x: Tensor) -> bool:
-    """Whether a fused product takes x: on a CPU, one row, or up to FUSED_ROWS under torch.compile, which reads
-    each weight once for all rows (a BLAS product of a few rows reads them once per row). Eagerly each row would
-    materialise a weight-sized product."""
-    rows = x.numel() // x.shape[-1]
-    return x.device.type == "cpu" and (rows == 1 or rows <= FUSED_ROWS and torch.compiler.is_compiling())
+def fuses(x: Tensor, fused_rows: int) -> bool:
+    """Whether a fused product takes x: on a CPU, with at most fused_rows rows."""
+    return x.device.type == "cpu" and x.numel() // x.shape[-1] <= fused_rows
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None, fused: bool = False
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None, fused_rows: int = 0
 ) -> Tensor:
-    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. fused (for a few rows on a
-    CPU, see fuses): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights."""
-    if fused and fuses(x):
+    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. x of up to fused_rows rows
+    on a CPU (0: none): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights."""
+    if fuses(x, fused_rows):
         w = weight.float()
         y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
         y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -95,8 +95,9 @@ def linear(
 class Linear(nn.Linear):
     kernels = Kernels()
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, fused=self.kernels.float_matvec == "fused")
+    def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
+        # fused_rows: what the step allows (model.Transformer.forward); this layer fuses only by its kernels' choice
+        return linear(x, self.weight, self.bias, fused_rows=fused_rows if self.kernels.float_matvec == "fused" else 0)
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
@@ -121,10 +122,10 @@ class Int8Linear(nn.Module):
     def prepare(self):
         self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
 
-    def forward(self, x: Tensor) -> Tensor:
-        fused = self.kernels.quant_matvec == "fused"
-        if x.is_cuda or fused and fuses(x):  # see linear
-            return linear(x, self.weight, self.bias, self.scales, fused=fused)
+    def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
+        fused_rows = fused_rows if self.kernels.quant_matvec == "fused" else 0
+        if x.is_cuda or fuses(x, fused_rows):  # see linear
+            return linear(x, self.weight, self.bias, self.scales, fused_rows)
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] >= GEMM_ROWS:
             # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product with
@@ -184,7 +185,8 @@ class Int4Linear(nn.Module):
                 zeros = self.scales_and_zeros[..., 1].T.float()
                 self.group_offsets = (zeros - 8 * self.group_scales).contiguous()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
+        # fused_rows: the halves layout fuses one row only, which every step allows
         if self.halves is not None and x.numel() == self.in_features:
             # A float32 multiply-and-sum that torch.compile fuses into one pass over the 4-bit codes, like
             # linear; the halves layout lets it unpack a byte with two vectorised ops (interleaved

@@ -1,7 +1,7 @@
 """One decoder-only transformer with a static, pre-allocated KV cache, for every family we support.
 
-The families differ only in ModelArgs fields (README has the table): Llama, Mistral (sliding window), Qwen2/3,
-Gemma 1/2/3, GPT-2, Phi-3 and Mixtral (mixture of experts) are all this one model.
+The families differ only in ModelArgs fields (config.py; docs/models.md has the table): Llama, Mistral (sliding
+window), Qwen2/3, Gemma 1/2/3, GPT-2, Phi-3 and Mixtral (mixture of experts) are all this one model.
 
 The rotary embedding works on interleaved pairs (x0, x1), (x2, x3), ... as in Meta's original
 Llama code and in GGUF files; Hugging Face checkpoints store q/k rows in a "half-split" order,
@@ -9,205 +9,18 @@ which scripts/convert_hf_checkpoint.py permutes into this one.
 """
 
 import functools
-import json
 import math
 import os
-from dataclasses import MISSING, dataclass, fields
-from pathlib import Path
-from typing import get_args
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from config import HIDDEN_ACTS, ModelArgs
 from kernels import Kernels, Linear, linear
 
-
-@dataclass
-class ModelArgs:
-    dim: int
-    n_layer: int
-    n_head: int
-    intermediate_size: int
-    vocab_size: int
-    n_kv_heads: int | None = None  # None: same as n_head (no GQA)
-    head_dim: int | None = None  # None: dim // n_head
-    block_size: int = 2048  # maximum number of positions
-    rope_base: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
-    norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias also sets the next one)
-    attention_out_bias: bool = False  # bias on the attention output projection
-    norm_type: str = "rmsnorm"  # or "gemma_rmsnorm" (scales by 1 + weight), "layernorm" (GPT-2: with bias)
-    hidden_act: str = "silu"  # or "gelu_tanh" (Gemma, GPT-2)
-    gated_mlp: bool = True  # w2(act(w1 x) * w3 x); False: w2(act(w1 x)) (GPT-2)
-    mlp_bias: bool = False
-    position_embedding: str = "rope"  # or "learned" (GPT-2: a table of block_size positions, no rotary)
-    scale_embeddings: bool = False  # multiply embeddings by sqrt(dim) (Gemma)
-    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary embedding (Qwen3, Gemma 3)
-    post_norms: bool = False  # normalise attention and MLP outputs before the residual sum too (Gemma 2/3)
-    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power; None: head_dim's
-    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
-    final_logit_softcap: float | None = None  # the same on the output logits
-    sliding_window: int | None = None  # sliding layers see this many positions, their own included
-    layer_types: list | None = None  # "full_attention" or "sliding_attention" per layer; None: all sliding
-    #   if sliding_window is set, else all full
-    rope_local_base: float | None = None  # rotary base of sliding layers, unscaled (Gemma 3); None: as full ones
-    n_experts: int = 0  # mixture of experts per layer (Mixtral); 0: one dense MLP
-    n_experts_per_token: int = 2
-
-    def __post_init__(self):
-        # Types first: a config is user input, and a wrong type would fail later with an obscure error.
-        for f in fields(self):
-            value, allowed = getattr(self, f.name), get_args(f.type) or (f.type,)
-            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)  # JSON writes 10000.0 as 10000
-                setattr(self, f.name, value)
-            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-                raise ValueError(f"{f.name} must be {names}, got {value!r}")
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_head
-        if self.head_dim is None:
-            if self.n_head > 0 and self.dim % self.n_head:
-                raise ValueError(f"dim {self.dim} is not divisible by n_head {self.n_head}; give head_dim")
-            self.head_dim = self.dim // max(self.n_head, 1)
-        for name in (
-            "dim",
-            "n_layer",
-            "n_head",
-            "n_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "block_size",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in (
-            "rope_base",
-            "norm_eps",
-            "query_pre_attn_scalar",
-            "attn_logit_softcap",
-            "final_logit_softcap",
-            "rope_local_base",
-        ):
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-        choices = {
-            "norm_type": ("rmsnorm", "gemma_rmsnorm", "layernorm"),
-            "hidden_act": tuple(ACTIVATIONS),
-            "position_embedding": ("rope", "learned"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
-        if self.layer_types is None:
-            self.layer_types = [LAYER_TYPES[self.sliding_window is not None]] * self.n_layer
-        if len(self.layer_types) != self.n_layer or not set(self.layer_types) <= set(LAYER_TYPES):
-            raise ValueError(
-                f"layer_types must list {self.n_layer} of {', '.join(LAYER_TYPES)}, got {self.layer_types!r}"
-            )
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-        if self.n_experts < 0:
-            raise ValueError(f"n_experts must be >= 0, got {self.n_experts}")
-        if self.n_experts and not 0 < self.n_experts_per_token <= self.n_experts:
-            raise ValueError(f"n_experts_per_token must be in 1..{self.n_experts}, got {self.n_experts_per_token}")
-        if self.n_head % self.n_kv_heads:
-            raise ValueError(f"n_head {self.n_head} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if self.rope_scaling is not None:
-            check_rope_scaling(self.rope_scaling, self.head_dim)
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "ModelArgs":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            data = json.loads(path.read_bytes())
-        except ValueError as e:  # not JSON, or not UTF-8
-            raise ValueError(f"config {path} is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config {path}: expected a JSON object of fields, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"config {path}: unknown fields {unknown}")
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
-        if missing:
-            raise ValueError(f"config {path}: missing fields {missing}")
-        try:
-            return cls(**data)
-        except ValueError as e:
-            raise ValueError(f"config {path}: {e}") from None
-
-    def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=2)
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
-# The numbers each kind of rope_scaling takes (longrope also takes short_factor and long_factor lists).
-ROPE_SCALING_KEYS = {
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "linear": ("factor",),
-    "longrope": ("original_max_position_embeddings", "attention_factor"),
-}
-
-
-def positive_number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-
-
-def check_rope_scaling(scaling: dict, head_dim: int):
-    kind = scaling.get("rope_type")
-    if kind not in ROPE_SCALING_KEYS:
-        raise ValueError(f"unsupported rope_scaling {scaling!r} (supported: {', '.join(ROPE_SCALING_KEYS)})")
-    for key in ROPE_SCALING_KEYS[kind]:
-        if not positive_number(scaling.get(key)):
-            raise ValueError(f"rope_scaling {key} must be a positive number, got {scaling.get(key)!r}")
-    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ValueError("rope_scaling high_freq_factor must exceed low_freq_factor")
-    for key in ("short_factor", "long_factor") if kind == "longrope" else ():
-        factors = scaling.get(key)
-        if not isinstance(factors, list) or len(factors) != head_dim // 2 or not all(map(positive_number, factors)):
-            raise ValueError(f"rope_scaling {key} must be a list of {head_dim // 2} positive numbers")
-
-
-def model_size_bytes(model: nn.Module) -> int:
-    """Bytes of weights a decode step reads: all of them but the embedding tables, of which it reads one
-    row, unless the output projection reuses the token table (tied embeddings)."""
-    skip = {"pos_embeddings.weight"} | ({"tok_embeddings.weight"} if model.output is not None else set())
-    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
-
-
-def ensure_caches(model: "Transformer", batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False):
-    """Checks the request fits the model; sets up KV caches unless big enough ones exist (or keep is set)."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    needed = prompt_len + max_new_tokens
-    if needed > model.config.block_size:
-        raise ValueError(
-            f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"block_size ({model.config.block_size})"
-        )
-    # Reusing caches keeps the compiled decode step's shapes, so it does not recompile.
-    if model.max_seq_length >= needed and model.max_batch_size >= batch_size:
-        return
-    if keep:
-        raise ValueError(
-            f"{batch_size} rows of {needed} positions do not fit the KV cache "
-            f"({model.max_batch_size} rows of {model.max_seq_length})"
-        )
-    model.setup_caches(batch_size, needed)
+ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approximate="tanh"))))
 
 
 class KVCache(nn.Module):
@@ -290,6 +103,7 @@ class Transformer(nn.Module):
         last_only: bool = False,
         first_row: int = 0,
         kv_length: int | None = None,
+        fused_rows: int = 1,
     ) -> Tensor:
         # idx: [B, S] token ids in cache slots input_pos, [S] for every row or [B, S] per row; returns logits
         # [B, S, vocab] in float32. left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens
@@ -300,6 +114,8 @@ class Transformer(nn.Module):
         # kv_length: attend to the first kv_length cache slots only (None: all), which must hold every position
         # the queries see: a server's rows reach far less than its cache's length, and reading the rest of the
         # cache each step can cost more than reading the weights.
+        # fused_rows: the most rows a linear layer computes as a fused product on a CPU (kernels.linear), which only
+        # a compiled step makes one pass over the weights: compile_steps passes more than 1 to its compiled steps.
         assert self.max_seq_length > 0, "call setup_caches() first"
         bsz = idx.shape[0]
         if first_row + bsz > self.max_batch_size:
@@ -312,12 +128,13 @@ class Transformer(nn.Module):
         positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, kv_length)
         x = self.embed(idx, positions)
         for layer in self.layers:
-            x = layer(x, input_pos, *inputs[layer.attention.kind], first_row)
+            x = layer(x, input_pos, *inputs[layer.attention.kind], first_row, fused_rows)
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
-            logits = linear(x, self.tok_embeddings.weight, fused=self.kernels.float_matvec == "fused")
+            rows = fused_rows if self.kernels.float_matvec == "fused" else 0
+            logits = linear(x, self.tok_embeddings.weight, fused_rows=rows)
         else:
-            logits = self.output(x)
+            logits = self.output(x, fused_rows)
         return softcap(logits.float(), self.config.final_logit_softcap)
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
@@ -375,10 +192,11 @@ class TransformerBlock(nn.Module):
     # not n_layer of them, for the same decode speed.
     @torch.compiler.nested_compile_region
     def forward(
-        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0
+        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row=0, fused_rows=1
     ) -> Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), input_pos, freqs_cis, mask, first_row))
-        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
+        h = self.attention(self.attention_norm(x), input_pos, freqs_cis, mask, first_row, fused_rows)
+        h = x + self.post_attention_norm(h)
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h), fused_rows))
 
 
 class Attention(nn.Module):
@@ -397,11 +215,11 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(
-        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row: int = 0
+        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row=0, fused_rows=1
     ) -> Tensor:
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.wqkv(x, fused_rows).split([q_size, kv_size, kv_size], dim=-1)
         q = self.q_norm(q.view(bsz, seqlen, self.n_head, self.head_dim))
         k = self.k_norm(k.view(bsz, seqlen, self.n_kv_heads, self.head_dim))
         v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -419,7 +237,7 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_head != self.n_kv_heads
             )
         y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
-        return self.wo(y)
+        return self.wo(y, fused_rows)
 
 
 def grouped_attention(
@@ -448,9 +266,9 @@ class FeedForward(nn.Module):
         self.w2 = Linear(config.intermediate_size, config.dim, bias=config.mlp_bias)  # down
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.act(self.w1(x))
-        return self.w2(h if self.w3 is None else h * self.w3(x))
+    def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
+        h = self.act(self.w1(x, fused_rows))
+        return self.w2(h if self.w3 is None else h * self.w3(x, fused_rows), fused_rows)
 
 
 class MoEFeedForward(nn.Module):
@@ -469,11 +287,11 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Parameter(torch.empty(config.n_experts, config.dim))
         self.experts = nn.ModuleList(FeedForward(config) for _ in range(config.n_experts))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
         scores = F.linear(x, self.router).float().softmax(dim=-1)
         top, chosen = scores.topk(self.top_k, dim=-1)
         weights = torch.zeros_like(scores).scatter(-1, chosen, top / top.sum(-1, keepdim=True)).to(x.dtype)
-        return sum(weights[..., e, None] * expert(x) for e, expert in enumerate(self.experts))
+        return sum(weights[..., e, None] * expert(x, fused_rows) for e, expert in enumerate(self.experts))
 
 
 def make_norm(config: ModelArgs, dim: int) -> nn.Module:

@@ -22,8 +22,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from checkpoint import HelpFormatter, load_checkpoint, resolve_checkpoint, save_atomic, user_errors
+from config import ModelArgs
 from kernels import Int4Linear, Int8Linear, Kernels, set_kernels
-from model import ModelArgs, Transformer
+from model import Transformer
 from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1

@@ -6,8 +6,9 @@ import resource
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
-from model import Transformer, model_size_bytes
+from model import Transformer
 from tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -16,13 +17,30 @@ class Generation:
     tokens: list[list[int]]  # new tokens per row: up to EOS (excluded) or through the token completing a stop string
     texts: list[str] | None  # per row, ending before any stop string (None without a tokenizer)
     finish_reasons: list[str]  # per row: "eos", "stop" or "length"
-    logprobs: list[list[dict]] | None  # per row, per token: {"token", "logprob", "top": [[id, logprob], ...]}
+    logprobs: list[list["TokenLogprobs"]] | None  # per row, per token
     prompt_tokens: list[int]  # positions prefilled per row (padding excluded)
     decode_steps: int  # decode steps run (a row that finished early still took part in them)
     time_to_first_token_s: float
     decode_time_s: float
     raw_tokens: list[list[int]] = field(repr=False, default_factory=list)  # every token produced per row
     speculation: dict | None = None  # speculative decoding's figures (Speculation.summary)
+
+
+@dataclass
+class TokenLogprobs:
+    """A chosen token's log-probability under the model (before any sampling setting), and the most likely
+    tokens' (id, log-prob), best first: what generate returns and both of the server's APIs render."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def step_logprobs(logprobs: tuple[Tensor, Tensor, Tensor], tokens: list[int]) -> list[TokenLogprobs]:
+    """sample()'s log-probs of one step (chosen [B, 1], top values [B, n], top ids [B, n]) and its tokens -> one
+    TokenLogprobs per row."""
+    chosen, values, ids = (t.tolist() for t in logprobs)
+    return [TokenLogprobs(token, chosen[b][0], list(zip(ids[b], values[b]))) for b, token in enumerate(tokens)]
 
 
 @dataclass
@@ -119,16 +137,8 @@ def collect(raw_rows, logprob_steps, prompt_rows, eos_ids, stop, tokenizer, ttft
     rows = [finish_row(raw, eos_ids, stop, tokenizer) for raw in raw_rows]
     logprobs = None
     if logprob_steps and logprob_steps[0] is not None:
-        chosen = torch.cat([lp[0] for lp in logprob_steps], dim=1).tolist()  # [B, steps]
-        top_values = torch.stack([lp[1] for lp in logprob_steps], dim=1).tolist()  # [B, steps, n]
-        top_ids = torch.stack([lp[2] for lp in logprob_steps], dim=1).tolist()
-        logprobs = [
-            [
-                {"token": t, "logprob": chosen[b][i], "top": [list(p) for p in zip(top_ids[b][i], top_values[b][i])]}
-                for i, t in enumerate(tokens)
-            ]
-            for b, (tokens, _, _) in enumerate(rows)
-        ]
+        steps = [step_logprobs(lp, [raw[i] for raw in raw_rows]) for i, lp in enumerate(logprob_steps)]
+        logprobs = [[steps[i][b] for i in range(len(tokens))] for b, (tokens, _, _) in enumerate(rows)]
     return Generation(
         tokens=[r[0] for r in rows],
         texts=None if tokenizer is None else [r[1] for r in rows],
@@ -140,6 +150,13 @@ def collect(raw_rows, logprob_steps, prompt_rows, eos_ids, stop, tokenizer, ttft
         decode_time_s=decode_time,
         raw_tokens=raw_rows,
     )
+
+
+def model_size_bytes(model: Transformer) -> int:
+    """Bytes of weights a decode step reads: all of them but the embedding tables, of which it reads one
+    row, unless the output projection reuses the token table (tied embeddings)."""
+    skip = {"pos_embeddings.weight"} | ({"tok_embeddings.weight"} if model.output is not None else set())
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if name not in skip)
 
 
 def synchronize(device: torch.device):

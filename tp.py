@@ -21,8 +21,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
+from config import ModelArgs
 from kernels import Int4Linear, Int8Linear, Linear
-from model import ModelArgs, MoEFeedForward, Transformer
+from model import MoEFeedForward, Transformer
 
 # A rank waits this long for the others in a collective before giving up: a dead or hung peer ends the job
 # with an error instead of a hang. It must outlast the slowest rank's torch.compile between two collectives.

@@ -26,8 +26,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from chat import encode_conversation  # noqa: E402
 from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, resolve_checkpoint, user_errors  # noqa: E402
-from generate import Stream, compile_steps, encode_conversation, load_models  # noqa: E402
+from decode import Stream, compile_steps  # noqa: E402
+from generate import load_models  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -39,11 +39,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from checkpoint import DEFAULT_CHECKPOINT, DEFAULT_DEVICE, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
-from generate import compile_steps, generate, load_model  # noqa: E402
+from config import ModelArgs  # noqa: E402
+from decode import compile_steps, ensure_caches  # noqa: E402
+from generate import generate, load_model  # noqa: E402
 from kernels import Kernels, set_kernels  # noqa: E402
-from model import ModelArgs, Transformer, ensure_caches, model_size_bytes  # noqa: E402
+from model import Transformer  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
-from results import synchronize  # noqa: E402
+from results import model_size_bytes, synchronize  # noqa: E402
 
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # random-weight models of well-known shapes: GPU runs need no download
@@ -443,7 +445,7 @@ def draw_chart(entries: list[Entry], bandwidth: float, title: str, path: Path):
     os.replace(tmp, path)
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth or its folder")
     p.add_argument("--shape", choices=SHAPES, default=None, help="a random-weight model of this shape instead")
@@ -486,6 +488,11 @@ def parse_args(argv=None):
         help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
         "same way (compiled or eager) in this run",
     )
+    return p
+
+
+def parse_args(argv=None):
+    p = parser()
     args = p.parse_args(argv)
     if args.check and not any(
         c.precision in ("int8", "int4")
@@ -547,51 +554,10 @@ def benchmark(args):
         f"copy bandwidth: {bandwidth:.1f} GB/s (read + write); {args.threads} threads; {args.device}", file=sys.stderr
     )
 
-    entries = []
-    for config in args.configs:
-        print(f"preparing ours {config} ...", file=sys.stderr)
-        entries.append(our_entry(args, config, prompt))
-        if args.start and config.compiled:
-            with tempfile.TemporaryDirectory(prefix="start-") as folder:
-                entries[-1].start_s = measure_start(args, config, Path(folder))
-            print(
-                f"start: {entries[-1].start_s[0]:.1f} s first, {entries[-1].start_s[1]:.1f} s cached", file=sys.stderr
-            )
-        if args.draft is not None:
-            entries.append(our_entry(args, config, prompt, with_draft=True))
-    if "llama.cpp" in args.peers:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            sys.exit("error: --peers llama.cpp needs the llama-cpp-python package (pip install llama-cpp-python)")
-        for kind in sorted({LLAMA_CPP_TYPES[c.precision] for c in args.configs}, key=list(LLAMA_FTYPES).index):
-            print(f"preparing llama.cpp {kind} ...", file=sys.stderr)
-            entries.append(llama_cpp_entry(gguf_variant(peers_gguf(args), kind, args.threads), kind, prompt, args))
-    if "transformers" in args.peers:
-        print("preparing transformers ...", file=sys.stderr)
-        entries.append(transformers_entry(peers_gguf(args), prompt, args))
-
-    for r in range(args.rounds):
-        for e in entries:
-            e.runs.append(e.run())
-        print(
-            f"round {r + 1}/{args.rounds}: "
-            + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}" for e in entries),
-            file=sys.stderr,
-        )
+    entries = prepare_entries(args, prompt)
+    time_rounds(args, entries)
     if args.profile is not None:
-        for e in entries:
-            if e.precision is None:
-                continue
-            with torch.profiler.profile() as prof:
-                e.run()
-            path = args.profile / (e.name.replace(" ", "_").replace("(", "").replace(")", "") + ".json")
-            prof.export_chrome_trace(str(path))
-            print(
-                f"\n{e.name}: trace in {path}\n"
-                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
-            )
-
+        profile_entries(args, entries)
     text, rows = table(entries, bandwidth, args.device)
     cpu = cpu_description()
     print(
@@ -618,6 +584,59 @@ def benchmark(args):
         if slower:
             sys.exit(1)
         print("check passed: every quantized configuration decodes at least as fast as float32", file=sys.stderr)
+
+
+def prepare_entries(args, prompt: list[int]) -> list[Entry]:
+    """Our configurations (each also with the draft, with --draft), then the peers', loaded and warmed up."""
+    entries = []
+    for config in args.configs:
+        print(f"preparing ours {config} ...", file=sys.stderr)
+        entries.append(our_entry(args, config, prompt))
+        if args.start and config.compiled:
+            with tempfile.TemporaryDirectory(prefix="start-") as folder:
+                entries[-1].start_s = measure_start(args, config, Path(folder))
+            print(
+                f"start: {entries[-1].start_s[0]:.1f} s first, {entries[-1].start_s[1]:.1f} s cached", file=sys.stderr
+            )
+        if args.draft is not None:
+            entries.append(our_entry(args, config, prompt, with_draft=True))
+    if "llama.cpp" in args.peers:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            sys.exit("error: --peers llama.cpp needs the llama-cpp-python package (pip install llama-cpp-python)")
+        for kind in sorted({LLAMA_CPP_TYPES[c.precision] for c in args.configs}, key=list(LLAMA_FTYPES).index):
+            print(f"preparing llama.cpp {kind} ...", file=sys.stderr)
+            entries.append(llama_cpp_entry(gguf_variant(peers_gguf(args), kind, args.threads), kind, prompt, args))
+    if "transformers" in args.peers:
+        print("preparing transformers ...", file=sys.stderr)
+        entries.append(transformers_entry(peers_gguf(args), prompt, args))
+
+    return entries
+
+
+def time_rounds(args, entries: list[Entry]):
+    """--rounds timed runs of every entry, interleaved: a round runs each once."""
+    for r in range(args.rounds):
+        for e in entries:
+            e.runs.append(e.run())
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}" for e in entries),
+            file=sys.stderr,
+        )
+
+
+def profile_entries(args, entries: list[Entry]):
+    """One more run of each of ours under torch.profiler: its trace in --profile's folder, and a summary."""
+    for e in entries:
+        if e.precision is None:
+            continue
+        with torch.profiler.profile() as prof:
+            e.run()
+        path = args.profile / (e.name.replace(" ", "_").replace("(", "").replace(")", "") + ".json")
+        prof.export_chrome_trace(str(path))
+        print(f"\n{e.name}: trace in {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def quantized_slower_than_float32(entries: list[Entry]) -> list[str]:

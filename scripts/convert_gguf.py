@@ -20,8 +20,9 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import DTYPES, HelpFormatter, save_atomic, user_errors  # noqa: E402
+from config import ModelArgs  # noqa: E402
 from convert_hf_checkpoint import hf_config_to_args, permute_rotary, write_checkpoint  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from model import Transformer  # noqa: E402
 from quantize import int4_group_params, quantization_format, quantize_int4_values, quantized_state_dict  # noqa: E402
 
 # GGUF architecture -> the Hugging Face model_type whose config rules apply (transformers' GGUF loader does the same).
@@ -275,8 +276,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the dequantized weights")
     parser.add_argument("--int4", action="store_true", help=f"also write {INT4_FILE}, 4-bit blocks kept as they are")
-    args = parser.parse_args(argv)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None):

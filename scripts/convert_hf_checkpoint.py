@@ -27,7 +27,8 @@ from checkpoint import (
     set_ordinary_mode,
     user_errors,
 )  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from config import ModelArgs  # noqa: E402
+from model import Transformer  # noqa: E402
 from tokenizer import load_tokenizer, read_json  # noqa: E402
 
 TOKENIZER_FILES = (
@@ -411,12 +412,12 @@ def convert_hf_checkpoint(checkpoint_dir: Path, out_dir: Path, dtype: torch.dtyp
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--checkpoint_dir", type=Path, required=True, help="Hugging Face model folder")
-    parser.add_argument("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
-    parser.add_argument("--dtype", choices=DTYPES, help="convert weights to this dtype (default: keep as stored)")
-    args = parser.parse_args(argv)
-    return args
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    arg = p.add_argument
+    arg("--checkpoint_dir", type=Path, required=True, help="Hugging Face model folder")
+    arg("--out_dir", type=Path, required=True, help="folder to write (replaced if it exists)")
+    arg("--dtype", choices=DTYPES, help="convert weights to this dtype (default: keep as stored)")
+    return p.parse_args(argv)
 
 
 def main(argv=None):

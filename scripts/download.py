@@ -38,8 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repo_id", required=True, help="e.g. HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--local_dir", type=Path, required=True, help="where to put the files")
     parser.add_argument("--hf_token", default=None, help="token for gated repos (default: HF_TOKEN)")
-    args = parser.parse_args(argv)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None):

@@ -172,8 +172,7 @@ def prepare(name: str) -> Path:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", default="smollm2", help=f"one of: {', '.join(MODELS)}")
-    args = parser.parse_args(argv)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None):

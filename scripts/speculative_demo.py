@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import DEFAULT_DEVICE, DTYPES, HelpFormatter, device_flag, user_errors  # noqa: E402
-from generate import compile_steps, generate, load_models  # noqa: E402
-from model import ensure_caches  # noqa: E402
+from decode import compile_steps, ensure_caches  # noqa: E402
+from generate import generate, load_models  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -50,8 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", type=device_flag, default=DEFAULT_DEVICE)
     parser.add_argument("--raw", action="store_true", help="send the prompts as plain text, not as chat turns")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.speculate_k < 1:
-        parser.error("--max_new_tokens and --speculate_k must be >= 1")
+    for name in ("max_new_tokens", "speculate_k"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
     return args
 
 

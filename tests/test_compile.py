@@ -6,7 +6,8 @@ import torch
 import torch._dynamo
 
 from conftest import assert_same_greedy
-from generate import compile_steps, generate, load_model
+from decode import compile_steps
+from generate import generate, load_model
 from sampling import SamplingParams
 
 pytestmark = pytest.mark.numerics

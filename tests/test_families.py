@@ -8,8 +8,9 @@ import transformers as tf
 
 from conftest import TINY_VOCAB, assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
+from decode import compile_steps
 from generate import generate, load_model
-from kernels import Kernels
+from kernels import Kernels, Linear
 from quantize import quantize_model
 
 pytestmark = pytest.mark.numerics
@@ -153,7 +154,7 @@ def dequantized_copy(model, kind: str, groupsize: int):
 
     reference = copy.deepcopy(model)
     if reference.output is None:  # the quantized output projection has weights of its own
-        reference.output = torch.nn.Linear(model.config.dim, model.config.vocab_size, bias=False)
+        reference.output = Linear(model.config.dim, model.config.vocab_size, bias=False)
         reference.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.clone())
     with torch.no_grad():
         for name, linear in quantized_linears(reference):
@@ -199,8 +200,6 @@ def test_quantized_computes_its_rounded_weights_and_stays_close_to_float(family,
 def test_compiled_decode_has_no_graph_break(tmp_path, tiny_tokenizer_json, name):
     """Learned positions, sliding and global layers with their own rotary bases, and experts: one graph."""
     import torch._dynamo
-
-    from generate import compile_steps
 
     model_cls, config_cls, overrides = FAMILIES[name]
     make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from chat import Chat
 from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
-from generate import Chat, Stream, generate, load_model
+from decode import Stream
+from generate import generate, load_model
 from results import TextPieces
 from sampling import SamplingParams
 from tokenizer import IncrementalDecoder, load_tokenizer
@@ -187,12 +189,12 @@ def test_logprobs_are_the_models_own(tiny):
     # log-probs of the wrong position or of processed logits (differences of 1e-1 and more).
     for i, entry in enumerate(result.logprobs[0]):
         row = reference[len(prompt) - 1 + i]
-        assert entry["token"] == tokens[i]
-        assert abs(entry["logprob"] - row[tokens[i]].item()) < 1e-4
-        ids, values = zip(*entry["top"])
-        assert len(set(ids)) == 3 and all(abs(v - row[t].item()) < 1e-4 for t, v in entry["top"])
+        assert entry.token == tokens[i]
+        assert abs(entry.logprob - row[tokens[i]].item()) < 1e-4
+        ids, values = zip(*entry.top)
+        assert len(set(ids)) == 3 and all(abs(v - row[t].item()) < 1e-4 for t, v in entry.top)
         assert torch.allclose(torch.tensor(values), row.topk(3).values, atol=1e-4)  # the 3 best, best first
-        assert entry["top"][0][0] == tokens[i]  # greedy picks the most likely
+        assert entry.top[0][0] == tokens[i]  # greedy picks the most likely
 
 
 def test_bad_requests(tiny):

@@ -7,7 +7,8 @@ import torch
 
 from conftest import assert_same_greedy
 from convert_gguf import INT4_BLOCK_BYTES, INT4_FILE, INT4_GROUPSIZE, open_gguf
-from generate import compile_steps, generate, load_model
+from decode import compile_steps
+from generate import generate, load_model
 from kernels import Kernels, unpack_int4
 from prepare_gguf import CHECKPOINTS, DOWNLOADS, MODELS
 from quantize import dequantize_int4

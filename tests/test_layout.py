@@ -1,4 +1,5 @@
-"""The module graph: data flows one way (scripts -> generate -> quantize / tp -> model -> kernels), no cycles, no
+"""The module graph: data flows one way (scripts and server -> generate -> chat -> decode -> model -> config and
+kernels; quantize and tp act on the model), no cycles, no
 project imports hidden inside functions, and a script run as __main__ is never imported a second time."""
 
 import ast
@@ -67,8 +68,8 @@ def test_import_graph_is_acyclic_and_flows_one_way():
             nested[path.name] = inside
     assert not nested, f"project imports inside functions: {nested}"
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
-    assert graph["kernels"] == set() and graph["tokenizer"] == set() and graph["sampling"] == set()
-    assert graph["model"] == {"kernels"} and "kernels" in graph["quantize"]
+    assert graph["kernels"] == graph["config"] == graph["tokenizer"] == graph["sampling"] == set()
+    assert graph["model"] == {"config", "kernels"} and "kernels" in graph["quantize"]
     for module in (
         "kernels",
         "model",
@@ -76,6 +77,10 @@ def test_import_graph_is_acyclic_and_flows_one_way():
         "tp",
         "checkpoint",
         "results",
+        "decode",
+        "chat",
+        "engine",
+        "api",
         "convert_hf_checkpoint",
         "convert_gguf",
     ):
@@ -83,7 +88,8 @@ def test_import_graph_is_acyclic_and_flows_one_way():
     assert not [name for name, deps in graph.items() if "server" in deps], "server.py is a leaf: nothing imports it"
     for name in ("server", "eval", "benchmark", "bench_server", "speculative_demo"):  # as README's tour says
         assert "generate" in graph[name], name
-    assert {"quantize", "tp", "model"} <= graph["generate"]
+    assert {"quantize", "tp", "model", "decode", "chat"} <= graph["generate"]
+    assert {"api", "engine"} <= graph["server"] and "engine" in graph["api"]  # routes -> API objects -> engine
 
 
 def heading_anchors(markdown: str) -> set[str]:

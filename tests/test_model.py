@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
+from config import ModelArgs
 from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from generate import generate, load_model
-from model import ModelArgs
 
 pytestmark = pytest.mark.numerics
 

@@ -12,7 +12,8 @@ import kernels
 import quantize as qz
 from checkpoint import save_atomic
 from conftest import ROOT, assert_same_greedy
-from generate import compile_steps, generate, load_model
+from decode import compile_steps
+from generate import generate, load_model
 from kernels import Kernels
 from tokenizer import load_tokenizer
 
@@ -39,6 +40,23 @@ def test_int8_linear_matches_float64_reference(bias, batch):
     # bfloat16 activations in the CPU kernel round each input to 8 significant bits: 2.7e-3 to 3.2e-3 here (AVX2);
     # a wrong scale, sign or layout gives errors of order 1.
     assert relative_error(layer(x), reference) < 1e-2
+
+
+@pytest.mark.parametrize("rows, fused_rows", [(1, 1), (5, 8), (8, 8), (5, 1), (9, 8), (3, 0)])
+def test_a_step_fuses_products_of_up_to_its_fused_rows_rows(rows, fused_rows):
+    """The caller's row limit decides the path, whatever runs the step: a fused product computes in float32,
+    ATen's int8 kernel (more rows than the limit) with bfloat16 activations."""
+    torch.manual_seed(2)
+    w, x = torch.randn(96, 160), torch.randn(rows, 160)
+    layer = kernels.Int8Linear(160, 96)
+    layer.weight, layer.scales = qz.quantize_int8(w)
+    layer.kernels = Kernels(quant_matvec="fused")
+    layer.prepare()
+    error = relative_error(
+        layer(x, fused_rows), x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T
+    )
+    # float32 sums: ~1e-7 here; bfloat16 inputs: ~3e-3
+    assert (error < 1e-5) == (rows <= fused_rows), error
 
 
 @pytest.mark.parametrize("groupsize", [32, 64])

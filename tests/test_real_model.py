@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_greedy
-from generate import compile_steps, generate, load_model
+from decode import compile_steps
+from generate import generate, load_model
 from kernels import Kernels
 from quantize import quantize_model
 from tokenizer import load_tokenizer

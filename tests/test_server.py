@@ -15,11 +15,13 @@ import openai
 import pytest
 import torch
 
+from chat import encode_conversation
 from conftest import ROOT, SMOLLM2_DIR, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
-from generate import Steps, Stream, compile_steps, encode_conversation, generate, load_model
+from decode import Steps, Stream, compile_steps
+from engine import Choice, Engine
+from generate import generate, load_model
 from sampling import SamplingParams
-from server import Choice, Engine
 from tokenizer import load_tokenizer
 
 KEY = "test-key"
@@ -412,9 +414,9 @@ def run_wave(engine, tokenizer, prompts, lengths, params) -> list[str]:
     texts, done = [""] * len(choices), 0
     while done < len(choices):
         e = events.get(timeout=300)
-        assert "error" not in e, e
-        texts[e["index"]] += e["text"]
-        done += e["finish_reason"] is not None
+        assert e.error is None, e
+        texts[e.index] += e.text
+        done += e.finish_reason is not None
     return texts
 
 

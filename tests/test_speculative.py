@@ -9,10 +9,12 @@ import torch._dynamo
 
 import generate as gen
 import quantize as qz
+from config import ModelArgs
 from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
+from decode import compile_steps, verify_step
 from kernels import Kernels
-from model import ModelArgs, Transformer
+from model import Transformer
 from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_state, set_row
 
 
@@ -64,7 +66,7 @@ def test_compiled_greedy_equals_plain_without_recompiling(pair_files):
     # The kernels generate.py --compile picks on this CPU: fused products, also for the verify's k + 1 rows.
     target, drafts = load_pairs(pair_files, Kernels.choose(torch.device("cpu"), compiled=True))
     plain = gen.generate(load_pairs(pair_files)[0], PROMPT, 40).tokens[0]
-    steps = gen.compile_steps(torch.device("cpu"))
+    steps = compile_steps(torch.device("cpu"))
     for draft in drafts.values():
         for k in (8, 4, 2, 1):  # the first sizes the caches for all: one graph per k, and per draft
             result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, steps=steps)
@@ -190,10 +192,10 @@ def test_verify_step_applies_each_rows_settings(pairs):
     for row, params in enumerate(settings):
         set_row(state, row, params, [])
     target.setup_caches(len(settings), 16)
-    together = gen.verify_step(target, x, torch.arange(3), state, greedy=False)
+    together = verify_step(target, x, torch.arange(3), state, greedy=False)
     for row, params in enumerate(settings):
         target.setup_caches(1, 16)
-        alone = gen.verify_step(
+        alone = verify_step(
             target, x[row : row + 1], torch.arange(3), sampler_state(params, [[]], vocab, "cpu"), greedy=params.greedy
         )[0]
         torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=0)

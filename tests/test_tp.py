@@ -12,9 +12,9 @@ import torch
 
 import tp
 import tp_worker
+from config import ModelArgs
 from conftest import ROOT, SMOLLM2_DIR, assert_same_greedy, make_hf_llama
 from generate import load_model
-from model import ModelArgs
 from quantize import quantize_checkpoint
 from tokenizer import load_tokenizer
 

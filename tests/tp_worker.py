@@ -11,8 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import tp  # noqa: E402
-from generate import compile_steps, generate, load_model  # noqa: E402
-from model import Kernels  # noqa: E402
+from decode import compile_steps  # noqa: E402
+from generate import generate, load_model  # noqa: E402
+from kernels import Kernels  # noqa: E402
 
 ROWS = [[5, 17, 3, 99, 250, 41, 7, 8], [0, 0, 0, 60, 61, 62, 300, 2]]  # row 1: three slots of left padding
 LEFT_PAD = [0, 3]

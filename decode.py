@@ -1,0 +1,305 @@
+"""The model steps of a generation and the loops over them.
+
+A step is one static-shape function: prefill, decode_one_token, draft_step, verify_step (Steps holds them, eager or
+compiled by compile_steps). Sampling runs on the device inside the step, with its settings passed as tensors, so
+new values never recompile it. token_steps yields a batch's tokens, Stream one prompt's text as it comes, and
+draft_and_verify is the model work of a speculative round (generate.speculative_generate and the server's engine).
+"""
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from kernels import FUSED_ROWS
+from model import Transformer
+from results import Generation, TextPieces, check_stop, collect, synchronize
+from sampling import (
+    SETTINGS,
+    SamplerState,
+    SamplingParams,
+    check_logprobs,
+    record_token,
+    refill_noise,
+    sample,
+    sampler_state,
+    step_probs,
+)
+from tokenizer import Tokenizer
+
+
+def prefill(
+    model,
+    x: Tensor,
+    input_pos: Tensor,
+    left_pad: Tensor,
+    s: SamplerState,
+    greedy: bool,
+    n_logprobs: int | None,
+    first_row: int = 0,
+    kv_length: int | None = None,
+    fused_rows: int = 1,
+):
+    # x: [B, S] prompts in cache slots input_pos [S] of cache rows first_row..
+    # -> first new token [B, 1] (and its log-probs). fused_rows, here and in every step: the model's (1 when eager).
+    logits = model(
+        x, input_pos, left_pad, last_only=True, first_row=first_row, kv_length=kv_length, fused_rows=fused_rows
+    )
+    return sample(logits[:, -1], s, greedy, n_logprobs)
+
+
+def kv_length(window: Tensor | None) -> int | None:
+    """The model's kv_length that a step's window tensor stands for (None: the whole cache)."""
+    return None if window is None else window.shape[0]
+
+
+def decode_one_token(model, x, input_pos, left_pad, s, greedy, n_logprobs, window: Tensor | None = None, fused_rows=1):
+    # The arguments as prefill's. x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and
+    # its log-probs). window: a tensor whose length is the model's kv_length (None: the whole cache); marked dynamic
+    # (torch._dynamo.mark_dynamic), one compiled graph serves every length, which a plain int argument would not.
+    logits = model(x, input_pos, left_pad, kv_length=kv_length(window), fused_rows=fused_rows)
+    return sample(logits[:, -1], s, greedy, n_logprobs)
+
+
+def draft_step(
+    draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None, fused_rows=1
+):
+    # x: [B, S] in slots input_pos ([S], or [B, S] per row) -> a token drafted after the last [B, 1] and the
+    # distribution p it was drawn from [B, V]. window: as decode_one_token's.
+    logits = draft(x, input_pos, last_only=True, kv_length=kv_length(window), fused_rows=fused_rows)
+    probs = step_probs(logits[:, -1], s, greedy)
+    return torch.argmax(probs / s.noise, dim=-1, keepdim=True), probs
+
+
+def verify_step(
+    model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None, fused_rows=1
+) -> Tensor:
+    # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
+    # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
+    per_position = s._replace(**{k: getattr(s, k)[..., None] for k in SETTINGS if getattr(s, k).dim()})
+    return step_probs(model(x, input_pos, kv_length=kv_length(window), fused_rows=fused_rows), per_position, greedy)
+
+
+class Steps(NamedTuple):
+    """The step functions a generation calls: these eager ones, or compiled ones (compile_steps)."""
+
+    prefill: Callable = prefill
+    decode: Callable = decode_one_token
+    draft: Callable = draft_step
+    verify: Callable = verify_step
+
+
+def inductor_cache_dir() -> Path:
+    """inductor's cache folder for the CPU capability in force (ATEN_CPU_CAPABILITY, else the CPU's best):
+    TORCHINDUCTOR_CACHE_DIR, else inductor's default, then /AVX512, /AVX2, ... inductor's cache key leaves out
+    the vector ISA of the C++ it generates, so a folder shared by two capabilities serves one of them code written
+    for the other, which computes garbage (docs/upstream-inductor-cache-isa.md). A folder already named after the
+    capability is that capability's folder (a process started by one that keyed it)."""
+    # Imported here, when compiling only: it loads much of inductor, which an eager run never needs.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).resolve()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return base if base.name == capability else base / capability
+
+
+def compile_steps(device: torch.device, decode: bool = True, prefill: bool = False) -> Steps:
+    """Steps with the decode-shaped steps (decode, draft, verify) and/or the prefill compiled; each compiles on
+    first use, with inductor's cache in inductor_cache_dir(). CUDA graphs ("reduce-overhead") exist on CUDA only."""
+    # inductor reads its folder from the environment when it compiles (and writes it there itself); the processes
+    # we start inherit it.
+    if decode or prefill:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+    if device.type == "cuda":  # a CUDA graph replays the whole step, with none of the checks below
+        step = {"mode": "reduce-overhead"}
+    else:  # Dynamo's guards check each input's shape and stride before a call already; the compiled code's
+        # own re-check of each is a measurable share of a small model's decode step.
+        step = {"options": {"size_asserts": False}}
+    eager, steps = Steps(), {}
+    # Compiled steps fuse products of up to FUSED_ROWS rows (kernels.linear), a value bound to the compiled function
+    # (each keeps its own code object, so its own graphs and recompile limit). Static shapes: a batch size or
+    # speculation depth met later gets its own graph (a fused product unrolls its rows).
+    if decode:
+        for name in ("decode", "draft", "verify"):
+            compiled = torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
+            steps[name] = functools.partial(compiled, fused_rows=FUSED_ROWS)
+    if prefill:
+        compiled = torch.compile(eager.prefill, fullgraph=True, dynamic=True)
+        steps["prefill"] = functools.partial(compiled, fused_rows=FUSED_ROWS)
+    return eager._replace(**steps)
+
+
+def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Steps, *, start_pos=0, pad_id=0):
+    """Yields (token [B, 1], log-probs or None) per new token: the first from the prefill, then one per decode step.
+
+    Rows of different lengths are left-padded; the mask hides the padding and each row's rotary positions
+    start at its first real token. start_pos > 0 continues a sequence whose first start_pos positions
+    are in the cache already (batch 1)."""
+    device = model.tok_embeddings.weight.device
+    check_logprobs(params, model.config.vocab_size)
+    lengths = [len(row) for row in rows]
+    width = max(lengths)
+    if start_pos and len(rows) > 1:
+        raise ValueError("continuing from cached positions (start_pos > 0) works for one row only")
+    ensure_caches(model, len(rows), start_pos + width, max_new_tokens, keep=start_pos > 0)
+    x = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    for b, row in enumerate(rows):
+        x[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+    left_pad = torch.tensor([width - n for n in lengths], device=device)
+    s, generator = sampler_state(params, rows, model.config.vocab_size, device), params.generator(device)
+    refill_noise(s, params, generator)
+    input_pos = torch.arange(start_pos, start_pos + width, device=device)
+    token, logprobs = steps.prefill(model, x, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs)
+    yield token, logprobs
+    input_pos = torch.tensor([start_pos + width], device=device)
+    for _ in range(max_new_tokens - 1):
+        record_token(s, token)
+        refill_noise(s, params, generator)
+        token, logprobs = steps.decode(
+            model, token, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs
+        )
+        # Copies: CUDA graphs reuse their output buffers on the next call.
+        token = token.clone()
+        logprobs = None if logprobs is None else tuple(t.clone() for t in logprobs)
+        input_pos += 1
+        yield token, logprobs
+
+
+def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False):
+    """Checks the request fits the model; sets up KV caches unless big enough ones exist (or keep is set)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    needed = prompt_len + max_new_tokens
+    if needed > model.config.block_size:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"block_size ({model.config.block_size})"
+        )
+    # Reusing caches keeps the compiled decode step's shapes, so it does not recompile.
+    if model.max_seq_length >= needed and model.max_batch_size >= batch_size:
+        return
+    if keep:
+        raise ValueError(
+            f"{batch_size} rows of {needed} positions do not fit the KV cache "
+            f"({model.max_batch_size} rows of {model.max_seq_length})"
+        )
+    model.setup_caches(batch_size, needed)
+
+
+def check_speculation(model, draft, params: SamplingParams, k: int):
+    if k < 1:
+        raise ValueError(f"speculate_k must be >= 1, got {k}")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})"
+        )
+    if params.penalized or params.logprobs is not None:
+        raise ValueError("speculative decoding supports temperature, top_k, top_p and min_p, not penalties or logprobs")
+
+
+@torch.no_grad()
+def draft_and_verify(
+    model,
+    draft,
+    steps: Steps,
+    k: int,
+    current: Tensor,
+    draft_input: tuple[Tensor, Tensor],
+    s_target: SamplerState,
+    s_draft: SamplerState,
+    greedy: bool,
+    refill_noise: Callable[[], None],
+    window: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The model work of a speculative round, for rows at their current tokens [B, 1]: the draft reads draft_input
+    (tokens [B, S] and their positions, the last S being the current tokens' positions [B, 1] or [1]) and drafts k
+    tokens, one step each (refill_noise before each draw); the model then reads the current and drafted tokens in
+    one pass. Returns the drafted tokens [B, k], the draft's distributions [B, k, V] and the model's [B, k + 1, V];
+    sampling.accept_drafts decides what each row keeps."""
+    (token, at), drafted, probs = draft_input, [], []
+    for _ in range(k):
+        refill_noise()
+        token, p = steps.draft(draft, token, at, s_draft, greedy, window)
+        drafted.append(token.clone())  # copies: CUDA graphs reuse their output buffers on the next call
+        probs.append(p.clone())
+        at = at[..., -1:] + 1
+    drafted = torch.cat(drafted, dim=1)
+    verify_at = at - k + torch.arange(k + 1, device=at.device)  # the current tokens' positions, then the drafts'
+    q = steps.verify(model, torch.cat([current, drafted], dim=1), verify_at, s_target, greedy, window)
+    return drafted, torch.stack(probs, dim=1), q
+
+
+def check_prompts(prompts) -> list[list[int]]:
+    """One prompt (a list of ids or a 1-D tensor) or a list of them -> a list of id lists."""
+    if isinstance(prompts, Tensor):
+        prompts = prompts.tolist()
+    if len(prompts) == 0:
+        raise ValueError("the prompt list is empty")
+    rows = (
+        [prompts]
+        if isinstance(prompts[0], int)
+        else [list(p.tolist() if isinstance(p, Tensor) else p) for p in prompts]
+    )
+    if any(len(row) == 0 for row in rows):
+        raise ValueError("a prompt is empty and the tokenizer adds no BOS token to start from")
+    return rows
+
+
+class Stream:
+    """One prompt's continuation (prompt: text or token ids) as text pieces, produced while it is iterated.
+
+    The pieces join to exactly the final text: held back are an incomplete character and any tail that
+    could begin a stop string. Once the iteration ends, .result is the Generation; run() does both."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        prompt,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams = SamplingParams(),
+        stop=(),
+        start_pos: int = 0,
+        steps: Steps = Steps(),
+    ):
+        (self.ids,) = check_prompts([tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)])
+        self.model, self.tokenizer, self.stop = model, tokenizer, check_stop(stop, tokenizer)
+        self.produced = token_steps(model, [self.ids], max_new_tokens, sampling, steps, start_pos=start_pos)
+        self.result: Generation | None = None
+
+    @torch.no_grad()
+    def __iter__(self):
+        pieces, raw, logprobs = TextPieces(self.tokenizer, self.stop), [], []
+        start = time.perf_counter()
+        for token, lp in self.produced:
+            raw.append(int(token[0, 0]))  # waits for the device
+            if len(raw) == 1:
+                ttft = time.perf_counter() - start
+            logprobs.append(lp)
+            piece = pieces.push(raw[-1])
+            if piece:
+                yield piece
+            if pieces.finished:
+                break
+        else:
+            piece = pieces.end()
+            if piece:
+                yield piece
+        synchronize(self.model.tok_embeddings.weight.device)
+        decode_time = time.perf_counter() - start - ttft
+        self.result = collect(
+            [raw], logprobs, [self.ids], self.tokenizer.eos_ids, self.stop, self.tokenizer, ttft, decode_time
+        )
+
+    def run(self, on_piece: Callable[[str], None] | None = None) -> Generation:
+        """Generates to the end, passing each piece to on_piece; returns the Generation."""
+        for piece in self:
+            if on_piece is not None:
+                on_piece(piece)
+        return self.result
