@@ -5,11 +5,13 @@
     python scripts/benchmark.py --configs eager:float32,compiled:float32 --rounds 5 --json
     python scripts/benchmark.py --shape llama-2-7b --device cuda --configs compiled:bfloat16,compiled:int8,compiled:int4
     python scripts/benchmark.py --draft checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth --configs compiled:float32
+    python scripts/benchmark.py --shape llama-2-7b --device cuda --configs compiled:bfloat16 --draft int4   # own copy
 
 A run is a prompt of --prompt_length random tokens (prefill), then --new_tokens greedy decode steps
 with no EOS. Every round runs each configuration once, ours and the peers interleaved, so that a
 change in the machine's load hits all of them alike; the table shows medians over the rounds, after
-one warm-up run each (which, for compiled ones, compiles: "compile s"). MBU = bytes of weights a decode
+one warm-up run each (which, for compiled ones, compiles: "compile s"; "recompiles" counts the graphs Dynamo
+compiled after it, during the timed runs, which should be none). MBU = bytes of weights a decode
 step reads x steps per second / the copy bandwidth measured at the start of the same run.
 --start times what a user waits for: `generate.py --compile` in a new process, from its start to its
 exit after 2 greedy tokens (an upper bound of the time to the first token), with an empty inductor
@@ -73,6 +75,7 @@ class Entry:
     weight_bytes: int = 0  # bytes a decode step reads
     memory_mb: float = float("nan")  # RSS growth (CPU) or peak allocated (CUDA) while loading and warming up
     compile_s: float | None = None
+    recompiles: int = 0  # graphs compiled during the timed runs
     compiled: bool = False
     start_s: tuple[float, float] | None = None  # --start: (first-ever, cached) seconds to generate.py's first tokens
     runs: list[dict] = field(default_factory=list)
@@ -146,23 +149,32 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype) -> Transf
     return model.eval()
 
 
+def base_model(args, dtype: torch.dtype, kernels: Kernels) -> Transformer:
+    """The float model the configurations start from: --shape's random weights (the same for every call), or the
+    checkpoint."""
+    if args.shape:
+        model = random_model(args.shape, args.device, dtype)
+        set_kernels(model, kernels)
+        return model
+    return load_model(args.checkpoint_path, args.device, dtype, kernels=kernels)
+
+
 def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False) -> Entry:
     compiled, precision = config.compiled, config.precision
     kernels = Kernels.choose(args.device, compiled, config.matvec)
 
     def build():
-        dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-        if args.shape:
-            base = random_model(args.shape, args.device, dtype)
-            set_kernels(base, kernels)
-        else:
-            base = load_model(args.checkpoint_path, args.device, dtype, kernels=kernels)
+        base = base_model(args, torch.bfloat16 if precision == "bfloat16" else torch.float32, kernels)
         return (
             base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize, kernels)
         )
 
     model, memory = measure_memory(args.device, build)
-    draft = load_model(args.draft, args.device, torch.float32, kernels=kernels) if with_draft else None
+    draft = None
+    if with_draft and args.draft in ("int8", "int4"):  # the target's own quantized copy
+        draft = quantize_model(base_model(args, torch.float32, kernels), args.draft, args.groupsize, kernels)
+    elif with_draft:
+        draft = load_model(args.draft, args.device, torch.float32, kernels=kernels)
     # Compiled: the decode steps; the prefill stays eager (compiling it for dynamic shapes costs minutes here).
     steps = compile_steps(args.device, decode=compiled)
     extra = dict(draft_model=draft, speculate_k=args.speculate_k) if draft is not None else {}
@@ -348,6 +360,7 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
             "mbu": e.weight_bytes * decode / 1e9 / bandwidth,
             "memory_mb": e.memory_mb,
             "compile_s": e.compile_s,
+            "recompiles": e.recompiles if e.precision is not None else None,
             "first_start_s": e.start_s[0] if e.start_s else None,
             "start_s": e.start_s[1] if e.start_s else None,
         }
@@ -364,14 +377,16 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
     memory = "peak MB" if device.type == "cuda" else "RSS +MB"
     lines = [
         f"| config | prefill tok/s | TTFT ms | decode tok/s | MB/token | GB/s | MBU | {memory} | compile s "
-        "| first start s | start s | decode vs llama.cpp | prefill vs llama.cpp | decode vs transformers |",
-        "|---|" + "---|" * 13,
+        "| recompiles | first start s | start s | decode vs llama.cpp | prefill vs llama.cpp "
+        "| decode vs transformers |",
+        "|---|" + "---|" * 14,
     ]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['prefill_tokens_per_s']:.0f} | {r['time_to_first_token_ms']:.0f} "
             f"| {r['decode_tokens_per_s']:.1f} | {r['weights_mb_per_token']:.0f} | {r['achieved_gb_s']:.1f} "
-            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {cell(r['compile_s'])} | {cell(r['first_start_s'])} "
+            f"| {100 * r['mbu']:.0f}% | {r['memory_mb']:.0f} | {cell(r['compile_s'])} | {cell(r['recompiles'], 'd')} "
+            f"| {cell(r['first_start_s'])} "
             f"| {cell(r['start_s'])} | {cell(r.get('vs_llama_cpp_decode'), '.2f', 'x')} "
             f"| {cell(r.get('vs_llama_cpp_prefill'), '.2f', 'x')} "
             f"| {cell(r.get('vs_transformers_decode'), '.2f', 'x')} |"
@@ -457,7 +472,13 @@ def parser() -> argparse.ArgumentParser:
         "part picks the CPU one-row kernels (auto: the fastest for this CPU, see kernels.Kernels)",
     )
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
-    p.add_argument("--draft", type=Path, default=None, help="also each config with this draft model (speculative)")
+    p.add_argument(
+        "--draft",
+        type=draft_flag,
+        default=None,
+        help="also each config with this draft model (speculative): a checkpoint, or int8 / int4 for the target's own "
+        "quantized copy (with --shape's random weights, a draft that agrees often)",
+    )
     p.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument(
         "--peers", type=peer_list, default="", help="comma-separated: llama.cpp, transformers (default: none)"
@@ -525,6 +546,11 @@ def peer_list(text: str) -> list[str]:
     if unknown := set(peers) - {"llama.cpp", "transformers"}:
         raise argparse.ArgumentTypeError(f"unknown peer(s) {', '.join(sorted(unknown))}: use llama.cpp, transformers")
     return peers
+
+
+def draft_flag(text: str) -> str | Path:
+    """argparse type of --draft."""
+    return text if text in ("int8", "int4") else Path(text)
 
 
 def peers_gguf(args) -> Path:
@@ -617,9 +643,12 @@ def prepare_entries(args, prompt: list[int]) -> list[Entry]:
 
 def time_rounds(args, entries: list[Entry]):
     """--rounds timed runs of every entry, interleaved: a round runs each once."""
+    graphs = torch._dynamo.utils.counters["stats"]
     for r in range(args.rounds):
         for e in entries:
+            before = graphs["unique_graphs"]
             e.runs.append(e.run())
+            e.recompiles += graphs["unique_graphs"] - before
         print(
             f"round {r + 1}/{args.rounds}: "
             + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}" for e in entries),

@@ -15,7 +15,7 @@ if ! command -v chromedriver >/dev/null && [ "$(id -u)" -eq 0 ] && command -v ap
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
 fi
 # A persistent inductor cache makes the compiled tests fast after their first run. Each CPU capability compiles
-# into its own subfolder (generate.inductor_cache_dir): the AVX2 pass below never runs the AVX-512 pass's code.
+# into its own subfolder (decode.inductor_cache_dir): the AVX2 pass below never runs the AVX-512 pass's code.
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}"
 status=0
 # stdin from /dev/null: a script a test runs without input of its own must not wait on the terminal or CI pipe.

@@ -1,3 +1,5 @@
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +22,12 @@ SMOLLM2_PROMPTS = [
     "Water boils at",
     "The quick brown fox jumps over the lazy dog. " * 4,
 ]
+# TEST_DEVICE=cuda runs the tests that take the `device` fixture (the numerics that make sense on a GPU) there, and
+# skips the rest, which are CPU-only by nature or need what a GPU machine lacks (scripts/gpu_check.sh).
+DEVICE_NAME = os.environ.get("TEST_DEVICE") or "cpu"
+DEVICE = torch.device(DEVICE_NAME if re.fullmatch(r"cpu|cuda(:\d+)?", DEVICE_NAME) else "cpu")
+# Their tests are all CPU-only, and they import the server's packages, which a GPU machine may lack.
+collect_ignore = ["test_server.py", "test_bad_inputs.py"] if DEVICE.type != "cpu" else []
 TINY_VOCAB = 320
 SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Naïve café déjà vu, Ærøskøbing, "
@@ -40,6 +48,25 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "numerics: compares numerically different paths; scripts/test.sh runs these twice on AVX-512 CPUs"
     )
+    if str(DEVICE) != DEVICE_NAME:
+        raise pytest.UsageError(f"TEST_DEVICE={DEVICE_NAME}: use cpu, cuda or cuda:N")
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"TEST_DEVICE={DEVICE}, but torch sees no CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE.type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"CPU only (TEST_DEVICE={DEVICE} runs the tests that take the device fixture)")
+    for item in items:
+        if "device" not in item.fixturenames:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where a test that takes this fixture runs its models: TEST_DEVICE (default cpu)."""
+    return DEVICE
 
 
 @torch.no_grad()
@@ -53,9 +80,9 @@ def assert_same_greedy(model, prompt: list[int], got: list[int], expected: list[
     if part is None:
         assert len(got) == len(expected), (got, expected)
         return
-    ids = prompt + expected[:part]
+    ids, device = prompt + expected[:part], model.tok_embeddings.weight.device
     model.setup_caches(1, len(ids))
-    logits = model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1]
+    logits = model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device))[0, -1]
     gap = (logits[got[part]] - logits[expected[part]]).abs().item()
     assert gap < margin, (
         f"outputs part at token {part} where the logits differ by {gap:.2e} (>= {margin}): {got} vs {expected}"

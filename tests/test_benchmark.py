@@ -70,6 +70,20 @@ def test_benchmark_rows(tiny_checkpoint, tmp_path):
     assert int8["weights_mb_per_token"] < 0.45 * float32["weights_mb_per_token"]
 
 
+def test_own_quantized_copy_as_draft_and_no_recompiles(tiny_checkpoint):
+    """--draft int8: the target's own int8 copy drafts (what the GPU check runs on random weights); compiled rows
+    compile nothing after their warm-up."""
+    args = ["--configs", "compiled:float32", "--draft", "int8", "--rounds", "2", "--prompt_length", "8"]
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), *args, "--new_tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["config"], r["recompiles"]) for r in rows] == [
+        ("ours compiled float32 (fused)", 0),
+        ("ours compiled float32 (fused) + draft (k=4)", 0),
+    ]
+    assert all(r["compile_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
+
+
 def test_check_flags_a_quantized_config_slower_than_float32():
     def entry(name, precision, compiled, *speeds):
         return Entry(name, None, precision, compiled=compiled, runs=[{"decode_tokens_per_s": s} for s in speeds])

@@ -6,7 +6,7 @@ import torch
 import torch._dynamo
 
 from conftest import assert_same_greedy
-from decode import compile_steps
+from decode import compile_steps, token_steps
 from generate import generate, load_model
 from sampling import SamplingParams
 
@@ -18,13 +18,14 @@ MARGIN = 1e-4
 PROMPTS = [[7, 8, 9, 10, 11], [3], [20, 21, 22, 23, 24, 25, 26, 27, 28]]  # different lengths: left padding
 
 
-def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
-    model = load_model(tiny_checkpoint)
+def test_compiled_equals_eager_without_recompiling(tiny_checkpoint, device):
+    """On CUDA, the compiled steps replay CUDA graphs."""
+    model = load_model(tiny_checkpoint, device)
     eager = generate(model, PROMPTS, 50).tokens
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     counters.clear()
-    steps = compile_steps(torch.device("cpu"))
+    steps = compile_steps(device)
     generate(model, PROMPTS, 2, steps=steps)  # compiles
     # The cache is set up for these shapes already: 50 more steps must reuse the one graph.
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -53,3 +54,22 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint):
     # over the vocabulary; a relative rounding difference d in p changes it only when the two largest ratios are
     # within d, which happens to about d / 2 of draws (simulated): with d ~ 1e-6, ~5e-5 over these 90 draws.)
     assert compiled == generate(model, PROMPTS, 30, sampling=settings).tokens
+
+
+def test_compiled_decode_steps_never_wait_for_the_gpu(tiny_checkpoint, device):
+    """Between the host's looks at the tokens, compiled decode steps (CUDA graphs) only queue work: CUDA's sync debug
+    mode makes any call that waits for the GPU an error."""
+    if device.type != "cuda":
+        pytest.skip("waiting for the device is a CUDA matter: a CPU step computes as it is called")
+    model = load_model(tiny_checkpoint, device)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=0)):
+        produced = token_steps(model, PROMPTS[:2], 24, sampling, compile_steps(device))
+        for _ in range(4):  # the prefill, then decode steps that compile and record their graphs
+            next(produced)
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(16):
+                next(produced)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

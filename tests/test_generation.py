@@ -26,6 +26,11 @@ def tiny(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
+def tiny_on_device(tiny_checkpoint, device):
+    return load_model(tiny_checkpoint, device), load_tokenizer(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
 def smollm2():
     assert (SMOLLM2_DIR / "model.pth").is_file(), "run: bash scripts/prepare.sh"
     return load_model(SMOLLM2_DIR), load_tokenizer(SMOLLM2_DIR)
@@ -36,8 +41,8 @@ def random_prompts(lengths, vocab, seed=0):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_batch_equals_each_prompt_alone(tiny):
-    model, _ = tiny
+def test_batch_equals_each_prompt_alone(tiny_on_device):
+    model, _ = tiny_on_device
     prompts = random_prompts([1, 3, 7, 12, 20, 27, 33, 40], 300)
     batch = generate(model, prompts, 24).tokens
     for prompt, row in zip(prompts, batch):
@@ -54,8 +59,8 @@ def test_batch_equals_each_prompt_alone_smollm2(smollm2):
         assert_same_greedy(model, prompt, row, generate(model, prompt, 16).tokens[0], SMOLLM2_MARGIN)
 
 
-def test_padding_is_invisible(tiny):
-    model, _ = tiny
+def test_padding_is_invisible(tiny_on_device):
+    model, _ = tiny_on_device
     short, other, longer = random_prompts([5, 9, 38], 300, seed=1)
     alone = generate(model, short, 20).tokens[0]
     for pad_id in (0, 17, 299):

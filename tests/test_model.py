@@ -1,5 +1,6 @@
 """The model against transformers: logits, the KV cache, greedy generation; and config validation."""
 
+import functools
 import json
 
 import pytest
@@ -43,38 +44,41 @@ CONFIGS = {
 }
 
 
-def convert(tmp_path, tokenizer_json, **overrides):
+def convert(tmp_path, tokenizer_json, device="cpu", **overrides):
     hf_dir, out = tmp_path / "hf", tmp_path / "ours"
     hf = make_hf_llama(hf_dir, tokenizer_json, **overrides)
     convert_hf_checkpoint(hf_dir, out)
-    return hf, load_model(out / "model.pth")
+    return hf, load_model(out / "model.pth", device)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_matches_transformers(tmp_path, tiny_tokenizer_json, name):
-    hf, model = convert(tmp_path, tiny_tokenizer_json, **CONFIGS[name])
+def test_matches_transformers(tmp_path, tiny_tokenizer_json, name, device):
+    """Ours on the test device, transformers' on the CPU: the logits of a forward, of decoding step by step through
+    the KV cache (all of it, or the slots it needs), of a chunked prefill, and greedy continuations."""
+    hf, model = convert(tmp_path, tiny_tokenizer_json, device, **CONFIGS[name])
     torch.manual_seed(1)
-    x = torch.randint(0, hf.config.vocab_size, (2, 48))
+    x_cpu = torch.randint(0, hf.config.vocab_size, (2, 48))
+    x, arange = x_cpu.to(device), functools.partial(torch.arange, device=device)
     model.setup_caches(2, 64)
     with torch.no_grad():
-        reference = hf(x).logits
-        full = model(x, torch.arange(48))
+        reference = hf(x_cpu).logits.to(device)
+        full = model(x, arange(48))
         assert (full - reference).abs().max() < TOLERANCE
         # Token by token through the KV cache gives the logits of the full-sequence forward.
         model.setup_caches(2, 64)
-        stepwise = torch.cat([model(x[:, i : i + 1], torch.tensor([i])) for i in range(48)], dim=1)
+        stepwise = torch.cat([model(x[:, i : i + 1], arange(i, i + 1)) for i in range(48)], dim=1)
         assert (stepwise - full).abs().max() < TOLERANCE
         # So does each step attending to the fewest cache slots that hold what it sees (kv_length), as a server does.
         model.setup_caches(2, 64)
-        windowed = torch.cat([model(x[:, i : i + 1], torch.tensor([i]), kv_length=i + 1) for i in range(48)], dim=1)
+        windowed = torch.cat([model(x[:, i : i + 1], arange(i, i + 1), kv_length=i + 1) for i in range(48)], dim=1)
         assert (windowed - full).abs().max() < TOLERANCE
         # A chunked prefill (16 + 32 positions) too.
         model.setup_caches(2, 64)
-        chunks = torch.cat([model(x[:, :16], torch.arange(16)), model(x[:, 16:], torch.arange(16, 48))], dim=1)
+        chunks = torch.cat([model(x[:, :16], arange(16)), model(x[:, 16:], arange(16, 48))], dim=1)
         assert (chunks - full).abs().max() < TOLERANCE
         # A prefill that asks for the last position's logits only (what generation samples from).
         model.setup_caches(2, 64)
-        last = model(x, torch.arange(48), last_only=True)
+        last = model(x, arange(48), last_only=True)
         assert last.shape == (2, 1, hf.config.vocab_size) and (last - reference[:, -1:]).abs().max() < TOLERANCE
 
     prompt = torch.randint(0, hf.config.vocab_size, (7,))

@@ -26,7 +26,7 @@ def relative_error(a, b):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("batch", [1, 5, 8])  # 3 and 15 rows take the int8 kernel, 24 the widened weight
-def test_int8_linear_matches_float64_reference(bias, batch):
+def test_int8_linear_matches_float64_reference(bias, batch, device):
     torch.manual_seed(0)
     w, x = torch.randn(96, 160), torch.randn(batch, 3, 160)
     q, scales = qz.quantize_int8(w)
@@ -35,11 +35,11 @@ def test_int8_linear_matches_float64_reference(bias, batch):
     layer.weight, layer.scales = q, scales
     if bias:
         layer.bias = torch.nn.Parameter(torch.randn(96))
-    layer.prepare()
     reference = x.double() @ (q.double() * scales.double()[:, None]).T + (layer.bias.double() if bias else 0)
+    layer.to(device).prepare()
     # bfloat16 activations in the CPU kernel round each input to 8 significant bits: 2.7e-3 to 3.2e-3 here (AVX2);
     # a wrong scale, sign or layout gives errors of order 1.
-    assert relative_error(layer(x), reference) < 1e-2
+    assert relative_error(layer(x.to(device)).cpu(), reference) < 1e-2
 
 
 @pytest.mark.parametrize("rows, fused_rows", [(1, 1), (5, 8), (8, 8), (5, 1), (9, 8), (3, 0)])
@@ -60,7 +60,7 @@ def test_a_step_fuses_products_of_up_to_its_fused_rows_rows(rows, fused_rows):
 
 
 @pytest.mark.parametrize("groupsize", [32, 64])
-def test_int4_linear_matches_float64_reference(groupsize):
+def test_int4_linear_matches_float64_reference(groupsize, device):
     torch.manual_seed(1)
     w, x = torch.randn(96, 256), torch.randn(4, 256)
     scales, zeros = qz.int4_group_params(w, groupsize)
@@ -70,8 +70,8 @@ def test_int4_linear_matches_float64_reference(groupsize):
     layer = kernels.Int4Linear(256, 96, groupsize)
     layer.weight = qz.pack_int4(codes)
     layer.scales_and_zeros = torch.stack([scales.T, zeros.T], dim=-1)
-    layer.prepare()
-    assert relative_error(layer(x), x.double() @ dequantized.double().T) < 1e-2  # as for int8: 3.2e-3 here
+    layer.to(device).prepare()  # on CUDA: _weight_int4pack_mm's layout, bfloat16 activations as on the CPU
+    assert relative_error(layer(x.to(device)).cpu(), x.double() @ dequantized.double().T) < 1e-2  # 3.2e-3 here
 
 
 def test_pack_and_save_round_trips_exactly(tmp_path):

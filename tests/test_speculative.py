@@ -1,5 +1,6 @@
 """Speculative decoding: greedy output equals the target's, sampled output follows the target's distribution."""
 
+import functools
 import shutil
 
 import numpy as np
@@ -30,16 +31,20 @@ def pair_files(tiny_checkpoint, tiny_tokenizer_json, tmp_path_factory):
     return folder / "target", {"unrelated": folder / "draft", "int8 copy": int8}
 
 
-def load_pairs(pair_files, kernels=Kernels()):
+def load_pairs(pair_files, kernels=Kernels(), device="cpu"):
     target, drafts = pair_files
-    return gen.load_model(target, kernels=kernels), {
-        name: gen.load_model(p, kernels=kernels) for name, p in drafts.items()
-    }
+    load = functools.partial(gen.load_model, device=device, kernels=kernels)
+    return load(target), {name: load(p) for name, p in drafts.items()}
 
 
 @pytest.fixture(scope="module")
 def pairs(pair_files):
     return load_pairs(pair_files)
+
+
+@pytest.fixture(scope="module")
+def device_pairs(pair_files, device):
+    return load_pairs(pair_files, device=device)
 
 
 PROMPT = [5, 17, 42, 7, 99]
@@ -49,8 +54,8 @@ MARGIN = 1e-4
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("draft_name", ["unrelated", "int8 copy"])
-def test_greedy_equals_plain_decoding(pairs, draft_name):
-    target, drafts = pairs
+def test_greedy_equals_plain_decoding(device_pairs, draft_name):
+    target, drafts = device_pairs
     plain = gen.generate(target, PROMPT, 40).tokens[0]
     accepted = {}
     for k in (1, 2, 4, 8):
@@ -62,11 +67,11 @@ def test_greedy_equals_plain_decoding(pairs, draft_name):
 
 
 @pytest.mark.numerics
-def test_compiled_greedy_equals_plain_without_recompiling(pair_files):
+def test_compiled_greedy_equals_plain_without_recompiling(pair_files, device):
     # The kernels generate.py --compile picks on this CPU: fused products, also for the verify's k + 1 rows.
-    target, drafts = load_pairs(pair_files, Kernels.choose(torch.device("cpu"), compiled=True))
-    plain = gen.generate(load_pairs(pair_files)[0], PROMPT, 40).tokens[0]
-    steps = compile_steps(torch.device("cpu"))
+    target, drafts = load_pairs(pair_files, Kernels.choose(device, compiled=True), device)
+    plain = gen.generate(load_pairs(pair_files, device=device)[0], PROMPT, 40).tokens[0]
+    steps = compile_steps(device)
     for draft in drafts.values():
         for k in (8, 4, 2, 1):  # the first sizes the caches for all: one graph per k, and per draft
             result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, steps=steps)
