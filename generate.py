@@ -271,10 +271,11 @@ def parser() -> argparse.ArgumentParser:
     arg("--compile_prefill", action="store_true", help="torch.compile the prefill too (dynamic shapes)")
     arg(
         "--kernels",
-        choices=("auto", "fused", "library"),
+        choices=("auto", "fused", "library", "native"),
         default="auto",
         help="CPU one-row products: auto (the fastest measured for this CPU and --compile), fused (float32 "
-        "multiply-and-sum, for compiled steps) or library (BLAS, ATen's int8/int4 kernels)",
+        "multiply-and-sum, for compiled steps), library (BLAS, ATen's int8/int4 kernels) or native (auto, with int8 "
+        "products of up to 8 rows by kernels_cpu.cpp, built on first use)",
     )
     arg("--profile", type=Path, default=None, help="write a torch.profiler trace (.json) of the last run")
     arg("--json", action="store_true", help="print one JSON object of outputs and figures as last line")

@@ -4,9 +4,17 @@ swaps in Int8Linear / Int4Linear and writes the formats they read.
 
 The int4 weight arrives in a device-neutral packing (two 4-bit codes a byte, see quantize.pack_int4); prepare()
 makes the layout of the device's int4 kernel (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU).
+With Kernels.int8_native, int8 products of a few rows run kernels_cpu.cpp (integer dot products, built on first use
+by native_kernels; the operator gpt_fast::int8_linear, which torch.compile traces through).
 """
 
+import functools
+import hashlib
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -14,6 +22,56 @@ import torch.nn.functional as F
 from torch import Tensor
 
 GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for a matrix product
+NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
+NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
+NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
+
+
+def native_isa() -> str:
+    """The best path of kernels_cpu.cpp that torch's CPU capability allows: ATEN_CPU_CAPABILITY=avx2 forces plain
+    AVX2 (no AVX-512, no AVX-VNNI: a Zen 3's instructions), as it does for ATen's and inductor's code."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    if capability.startswith("AVX512"):
+        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
+    if capability == "AVX2":
+        forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+        return "avx2-vnni" if "avx_vnni" in flags and not forced else "avx2"
+    return "scalar"
+
+
+@functools.cache
+def native_kernels() -> bool:
+    """Builds kernels_cpu.cpp on first use and loads its operators (torch.ops.gpt_fast). The build is cached under
+    TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions) by the source, torch's version, the compiler and the
+    CPU capability in force; torch's build lock serialises processes that build at once (tensor-parallel ranks).
+    False, after one line on stderr saying why, when it cannot be built: the PyTorch paths run instead."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+        key = hashlib.sha256(
+            "\n".join([NATIVE_SOURCE.read_text(), torch.__version__, version, native_isa()]).encode()
+        ).hexdigest()[:16]
+        base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+        folder = base / f"gpt_fast_kernels_{key}"
+        folder.mkdir(parents=True, exist_ok=True)
+        from torch.utils import cpp_extension  # imported here: it loads setuptools, which only a build needs
+
+        cpp_extension.load(
+            name="gpt_fast_kernels",
+            sources=[str(NATIVE_SOURCE)],
+            build_directory=str(folder),
+            extra_cflags=["-O3"],
+            is_python_module=False,
+        )
+    except (OSError, subprocess.CalledProcessError, RuntimeError, ImportError) as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        print(f"kernels: kernels_cpu.cpp did not build ({reason}); int8 layers use the PyTorch paths", file=sys.stderr)
+        return False
+    torch.library.register_fake("gpt_fast::int8_linear")(
+        lambda x, weight, scales, isa: x.new_empty(x.shape[0], weight.shape[0])
+    )
+    return True
 
 
 @dataclass(frozen=True)
@@ -27,6 +85,7 @@ class Kernels:
     quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
     gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
     kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
+    int8_native: str | None = None  # a NATIVE_ISAS path: int8 products of up to NATIVE_ROWS rows by kernels_cpu.cpp
 
     @classmethod
     def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto") -> "Kernels":
@@ -38,15 +97,20 @@ class Kernels:
         enough; on AVX2 ATen's int8/int4 kernels are faster. Widening int8 weights to bfloat16 for a matrix
         product pays off only with native bfloat16 (AVX512-BF16, AMX): without it, matrix products emulate
         bfloat16 and lose to float32 (docs/performance.md has the figures behind each choice)."""
-        if matvec not in ("auto", "fused", "library"):
-            raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused or library")
+        if matvec not in ("auto", "fused", "library", "native"):
+            raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
         gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
-        if matvec != "auto":
+        if matvec in ("fused", "library"):
             return cls(matvec, matvec, gemm_dtype)
         fused = "fused" if compiled and device.type == "cpu" else "library"
-        return cls(fused, fused if avx512 else "library", gemm_dtype)
+        native = None
+        if matvec == "native":  # opt-in: on the CPUs measured so far it does not beat auto (docs/performance.md)
+            if device.type != "cpu" or not native_kernels():
+                raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
+            native = native_isa()
+        return cls(fused, fused if avx512 else "library", gemm_dtype, int8_native=native)
 
     def describe(self) -> dict:
         dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
@@ -54,6 +118,7 @@ class Kernels:
             "cpu": torch.backends.cpu.get_cpu_capability(),
             "float_matvec": self.float_matvec,
             "quant_matvec": self.quant_matvec,
+            "int8_native": self.int8_native,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
@@ -117,12 +182,23 @@ class Int8Linear(nn.Module):
         # The scales as the CPU kernel takes them, made by prepare(): a buffer, not a cast in the compiled graph
         # (inductor's lowering of the kernel needs its scales realised).
         self.register_buffer("kernel_scales", None, persistent=False)
+        self.register_buffer("native_scales", None, persistent=False)  # float32, for kernels_cpu.cpp
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
         self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
+        # kernels_cpu.cpp's byte products need weights in [-127, 127] (ours are) and whole blocks of 32 inputs.
+        native = self.kernels.int8_native is not None and not self.weight.is_cuda and self.in_features % 32 == 0
+        self.native_scales = self.scales.float() if native and int(self.weight.min()) > -128 else None
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
+        if self.native_scales is not None and x.numel() // self.in_features <= NATIVE_ROWS:
+            isa = NATIVE_ISAS.index(self.kernels.int8_native)
+            y = torch.ops.gpt_fast.int8_linear(
+                x.reshape(-1, self.in_features).float(), self.weight, self.native_scales, isa
+            )
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         fused_rows = fused_rows if self.kernels.quant_matvec == "fused" else 0
         if x.is_cuda or fuses(x, fused_rows):  # see linear
             return linear(x, self.weight, self.bias, self.scales, fused_rows)

@@ -60,7 +60,7 @@ SHAPES = {  # random-weight models of well-known shapes: GPU runs need no downlo
     ),
 }
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
-MATVECS = ("auto", "fused", "library")
+MATVECS = ("auto", "fused", "library", "native")
 LLAMA_CPP_TYPES = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_1"}  # comparable formats
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's enum llama_ftype
 
@@ -191,6 +191,8 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
         }
 
     matvec = kernels.float_matvec if precision in ("float32", "bfloat16") else kernels.quant_matvec
+    if precision == "int8" and kernels.int8_native is not None:
+        matvec = f"native {kernels.int8_native}"
     path = f" ({matvec})" if args.device.type == "cpu" else ""
     name = f"ours {'compiled' if compiled else 'eager'} {precision}{path}" + (
         f" + draft (k={args.speculate_k})" if draft else ""
@@ -468,7 +470,7 @@ def parser() -> argparse.ArgumentParser:
         "--configs",
         type=parse_configs,
         default="compiled:float32,compiled:bfloat16,compiled:int8,compiled:int4",
-        help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library]; the last "
+        help="comma-separated eager|compiled:float32|bfloat16|int8|int4[:auto|fused|library|native]; the last "
         "part picks the CPU one-row kernels (auto: the fastest for this CPU, see kernels.Kernels)",
     )
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")

@@ -6,7 +6,7 @@ import torch
 from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_greedy
 from decode import compile_steps
 from generate import generate, load_model
-from kernels import Kernels
+from kernels import Kernels, native_kernels
 from quantize import quantize_model
 from tokenizer import load_tokenizer
 
@@ -69,6 +69,8 @@ def quantized_smollm2(request):
         "fused": Kernels.choose(CPU, False, "fused"),
         "compiled": Kernels.choose(CPU, True),
     }  # the last: what generate.py --compile picks on this CPU
+    if kind == "int8" and native_kernels():
+        choices["native"] = Kernels.choose(CPU, False, "native")  # kernels_cpu.cpp: int8 activations per block
     models = {name: quantize_model(float_model, kind, groupsize or 32, k) for name, k in choices.items()}
     return models, [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
 
@@ -80,6 +82,9 @@ def test_quantized_kernel_paths_agree(quantized_smollm2):
     # Eager fused products materialise [out, in] float32 tensors (slow; compiled they fuse): 8 tokens each.
     for prompt, row in zip(prompts, expected):
         assert_same_greedy(library, prompt, generate(fused, prompt, 8).tokens[0], row[:8], CROSS_PATH_MARGIN)
+        if "native" in models:
+            native = generate(models["native"], prompt, 16).tokens[0]
+            assert_same_greedy(library, prompt, native, row, CROSS_PATH_MARGIN)
     x = torch.tensor([prompts[-1]])
     one_row = []
     with torch.no_grad():
@@ -91,7 +96,8 @@ def test_quantized_kernel_paths_agree(quantized_smollm2):
 
     steps = compile_steps(CPU)
     compiled.setup_caches(1, max(map(len, prompts)) + 16)  # one cache for every prompt: one compiled graph
-    margin = SAME_PATH_MARGIN if compiled.kernels.quant_matvec == "library" else CROSS_PATH_MARGIN
+    same_path = compiled.kernels.quant_matvec == "library" and not ("native" in models and compiled.kernels.int8_native)
+    margin = SAME_PATH_MARGIN if same_path else CROSS_PATH_MARGIN
     for prompt, row in zip(prompts, expected):
         assert_same_greedy(library, prompt, generate(compiled, prompt, 16, steps=steps).tokens[0], row, margin)
 
