@@ -474,13 +474,8 @@ def parser() -> argparse.ArgumentParser:
         "part picks the CPU one-row kernels (auto: the fastest for this CPU, see kernels.Kernels)",
     )
     p.add_argument("--groupsize", type=int, default=32, help="int4 group size")
-    p.add_argument(
-        "--draft",
-        type=draft_flag,
-        default=None,
-        help="also each config with this draft model (speculative): a checkpoint, or int8 / int4 for the target's own "
-        "quantized copy (with --shape's random weights, a draft that agrees often)",
-    )
+    draft_help = "also each config with a draft (speculative): a checkpoint, or int8 / int4, the target's own copy"
+    p.add_argument("--draft", type=draft_flag, default=None, help=draft_help)
     p.add_argument("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
     p.add_argument(
         "--peers", type=peer_list, default="", help="comma-separated: llama.cpp, transformers (default: none)"
