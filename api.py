@@ -231,10 +231,10 @@ def answer_choice(job: Job, tokenizer: Tokenizer, c: Choice, text: str, entries:
     """A choice of a non-streamed answer: its whole text (after the prompt's, with echo) and log-probs."""
     lp = None if job.top_logprobs is None else logprobs_object(job, tokenizer, entries)
     if job.chat:
-        text = {"message": {"role": "assistant", "content": text}}
+        content = {"message": {"role": "assistant", "content": text}}
     else:
-        text = {"text": (tokenizer.decode(c.ids) if job.echo else "") + text}
-    return {"index": c.index, **text, "logprobs": lp, "finish_reason": reason}
+        content = {"text": (tokenizer.decode(c.ids) if job.echo else "") + text}
+    return {"index": c.index, **content, "logprobs": lp, "finish_reason": reason}
 
 
 def usage(job: Job, choices: list[Choice]) -> dict:

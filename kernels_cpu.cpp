@@ -156,9 +156,8 @@ using RowsFn = void (*)(const int8_t*, const int8_t*, const float*, int64_t, flo
 // Channels a call computes: 4 for one row, 2 for two, else one (M rows give M independent sums already).
 constexpr int channels(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
-template <int M>
+template <int M, int C>
 RowsFn rows_for(int64_t isa) {
-  constexpr int C = channels(M);
   switch (isa) {
     case 1: return rows_avx2<M, C, false>;
     case 2: return rows_avx2<M, C, true>;
@@ -168,25 +167,14 @@ RowsFn rows_for(int64_t isa) {
   }
 }
 
-template <int M>
-RowsFn tail_for(int64_t isa) {  // one channel at a time, for the channels left over when C does not divide N
-  switch (isa) {
-    case 1: return rows_avx2<M, 1, false>;
-    case 2: return rows_avx2<M, 1, true>;
-    case 3: return rows_avx512<M, 1, false>;
-    case 4: return rows_avx512<M, 1, true>;
-    default: return rows_scalar<M, 1>;
-  }
-}
-
 struct Kernel {
-  RowsFn rows, tail;
+  RowsFn rows, tail;  // tail: one channel at a time, for the channels left over when C does not divide N
   int channels;
 };
 
 template <int M>
 Kernel kernel_for(int64_t isa) {
-  return {rows_for<M>(isa), tail_for<M>(isa), channels(M)};
+  return {rows_for<M, channels(M)>(isa), rows_for<M, 1>(isa), channels(M)};
 }
 
 Kernel pick(int64_t rows, int64_t isa) {
