@@ -6,7 +6,9 @@
 The default text is the documentation every Python installation carries (pydoc topics). The score
 covers the text's last --max_tokens tokens (GPTQ calibrates on its first ones). Each window of
 --window tokens scores only the tokens the previous window did not, so every scored token sees at
-least window - stride tokens of context.
+least window - stride tokens of context. --step_rows N feeds each window N tokens a step, through the KV
+cache as decoding does: the products of few rows (decode, speculative verification) are scored instead of the
+prefill's.
 """
 
 import argparse
@@ -23,15 +25,20 @@ from tokenizer import read_text
 
 
 @torch.no_grad()
-def perplexity(model, tokens: list[int], window: int, stride: int) -> tuple[float, int]:
-    """exp(mean negative log-likelihood) of tokens[1:], and how many were scored."""
+def perplexity(model, tokens: list[int], window: int, stride: int, step_rows: int | None = None) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) of tokens[1:], and how many were scored; step_rows: the tokens of a forward
+    pass (default: a whole window)."""
     if not 0 < stride < window:  # a window must overlap the previous one: its first token has no context in it
         raise ValueError(f"need 0 < stride < window, got stride {stride} and window {window}")
     model.setup_caches(1, window)
     nll, counted, scored_until = 0.0, 0, 1  # the first token has no prediction
     for start in range(0, len(tokens) - 1, stride):
         chunk = torch.tensor(tokens[start : start + window])
-        logits = model(chunk[None], torch.arange(len(chunk)))[0]
+        step = step_rows or len(chunk)
+        pieces = range(0, len(chunk), step)
+        logits = torch.cat(
+            [model(chunk[None, i : i + step], torch.arange(i, min(i + step, len(chunk))))[0] for i in pieces]
+        )
         logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
         targets = chunk[1:]
         new = slice(scored_until - start - 1, None)  # positions whose target was not scored yet
@@ -50,13 +57,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_tokens", type=int, default=4096, help="score the text's last N tokens")
     parser.add_argument("--window", type=int, default=1024, help="tokens per forward pass (capped by block_size)")
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
+    parser.add_argument("--step_rows", type=int, default=None, help="tokens a forward pass (default: a window)")
     parser.add_argument("--device", type=device_flag, default="cpu", help="cpu, cuda or cuda:N")
+    kernels = ("auto", "fused", "library", "native")
+    parser.add_argument("--kernels", choices=kernels, default="auto", help="as generate.py's flag (eager)")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
     args = parser.parse_args(argv)
     if args.stride is None:
         args.stride = args.window // 2
     if args.max_tokens < 2 or args.window < 2 or not 0 < args.stride < args.window:
         parser.error("need --max_tokens >= 2, --window >= 2 and 0 < --stride < --window")
+    if args.step_rows is not None and args.step_rows < 1:
+        parser.error("need --step_rows >= 1")
     return args
 
 
@@ -64,12 +76,12 @@ def main(argv=None):
     args = parse_args(argv)
     with user_errors():
         text = read_text(args.text_file) if args.text_file else default_text()
-        model, tokenizer, _ = load_models(args.checkpoint_path, args.device, "float32")
+        model, tokenizer, _ = load_models(args.checkpoint_path, args.device, "float32", matvec=args.kernels)
         tokens = tokenizer.encode(text)[-args.max_tokens :]
         if len(tokens) < 2:
             raise ValueError(f"{args.text_file or 'the text'}: fewer than 2 tokens")
         window = min(args.window, model.config.block_size)
-        ppl, counted = perplexity(model, tokens, window, min(args.stride, window - 1))
+        ppl, counted = perplexity(model, tokens, window, min(args.stride, window - 1), args.step_rows)
         print(f"perplexity {ppl:.4f} over {counted} tokens ({args.checkpoint_path})")
         if args.json:
             print(json.dumps({"perplexity": ppl, "tokens": counted}))

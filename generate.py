@@ -31,6 +31,7 @@ from checkpoint import (
     DTYPES,
     HelpFormatter,
     device_flag,
+    load_checkpoint,
     prompt_lines,
     resolve_checkpoint,
     user_errors,
@@ -212,8 +213,11 @@ def load_models(
 ) -> tuple[Transformer, Tokenizer, Transformer | None]:
     """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
     the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for bfloat16 on CUDA and float32 on a CPU (most CPUs
-    have no native bfloat16 matrix products); the CPU kernels are Kernels.choose(device, compiled, matvec)."""
-    kernels = Kernels.choose(device, compiled, matvec)
+    have no native bfloat16 matrix products); the CPU kernels are Kernels.choose(device, compiled, matvec, quantized),
+    quantized when either checkpoint is."""
+    paths = [p for p in (checkpoint_path, draft_checkpoint_path) if p is not None]
+    quantized = any(load_checkpoint(resolve_checkpoint(p))[1] is not None for p in paths)  # memory-mapped: cheap
+    kernels = Kernels.choose(device, compiled, matvec, quantized)
     dtype = DTYPES[dtype_name] if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = load_model(checkpoint_path, device, dtype, shard, kernels)
     tokenizer = load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
@@ -273,9 +277,9 @@ def parser() -> argparse.ArgumentParser:
         "--kernels",
         choices=("auto", "fused", "library", "native"),
         default="auto",
-        help="CPU one-row products: auto (the fastest measured for this CPU and --compile), fused (float32 "
-        "multiply-and-sum, for compiled steps), library (BLAS, ATen's int8/int4 kernels) or native (auto, with int8 "
-        "products of up to 8 rows by kernels_cpu.cpp, built on first use)",
+        help="CPU products of few rows: auto (the fastest measured for this CPU and --compile: int8/int4 by "
+        "kernels_cpu.cpp, built on first use, where it builds), fused (float32 multiply-and-sum, for compiled steps), "
+        "library (BLAS, ATen's int8/int4 kernels) or native (auto, failing if kernels_cpu.cpp does not build)",
     )
     arg("--profile", type=Path, default=None, help="write a torch.profiler trace (.json) of the last run")
     arg("--json", action="store_true", help="print one JSON object of outputs and figures as last line")

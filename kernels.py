@@ -4,8 +4,9 @@ swaps in Int8Linear / Int4Linear and writes the formats they read.
 
 The int4 weight arrives in a device-neutral packing (two 4-bit codes a byte, see quantize.pack_int4); prepare()
 makes the layout of the device's int4 kernel (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU).
-With Kernels.int8_native, int8 products of a few rows run kernels_cpu.cpp (integer dot products, built on first use
-by native_kernels; the operator gpt_fast::int8_linear, which torch.compile traces through).
+With Kernels.int8_native / int4_native, int8 and int4 products of a few rows run kernels_cpu.cpp (integer dot
+products, built on first use by native_kernels; the operators gpt_fast::int8_linear and gpt_fast::int4_linear, which
+torch.compile traces through).
 """
 
 import functools
@@ -25,19 +26,31 @@ GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
+# -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
+# has loaded; -ffp-contract=off: a row's float sums as written, the same instructions whatever the batch.
+NATIVE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
+def native_isas() -> list[str]:
+    """The paths of kernels_cpu.cpp this process may run, best last: those of the CPU's instructions that torch's CPU
+    capability allows. ATEN_CPU_CAPABILITY=avx2 forces plain AVX2 (no AVX-512, no AVX-VNNI: a Zen 3's instructions),
+    as it does for ATen's and inductor's code."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+    allowed = {
+        "scalar": True,
+        "avx2": capability in ("AVX2", "AVX512"),
+        "avx2-vnni": capability in ("AVX2", "AVX512") and "avx_vnni" in flags and not forced,
+        "avx512": capability == "AVX512",
+        "avx512-vnni": capability == "AVX512" and "avx512_vnni" in flags,
+    }
+    return [isa for isa in NATIVE_ISAS if allowed[isa]]
 
 
 def native_isa() -> str:
-    """The best path of kernels_cpu.cpp that torch's CPU capability allows: ATEN_CPU_CAPABILITY=avx2 forces plain
-    AVX2 (no AVX-512, no AVX-VNNI: a Zen 3's instructions), as it does for ATen's and inductor's code."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
-    if capability.startswith("AVX512"):
-        return "avx512-vnni" if "avx512_vnni" in flags else "avx512"
-    if capability == "AVX2":
-        forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
-        return "avx2-vnni" if "avx_vnni" in flags and not forced else "avx2"
-    return "scalar"
+    """The best path of kernels_cpu.cpp this process may run."""
+    return native_isas()[-1]
 
 
 @functools.cache
@@ -50,7 +63,7 @@ def native_kernels() -> bool:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
         key = hashlib.sha256(
-            "\n".join([NATIVE_SOURCE.read_text(), torch.__version__, version, native_isa()]).encode()
+            "\n".join([NATIVE_SOURCE.read_text(), *NATIVE_FLAGS, torch.__version__, version, native_isa()]).encode()
         ).hexdigest()[:16]
         base = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
         folder = base / f"gpt_fast_kernels_{key}"
@@ -61,16 +74,19 @@ def native_kernels() -> bool:
             name="gpt_fast_kernels",
             sources=[str(NATIVE_SOURCE)],
             build_directory=str(folder),
-            extra_cflags=["-O3"],
+            extra_cflags=NATIVE_FLAGS,
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except (OSError, subprocess.CalledProcessError, RuntimeError, ImportError) as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        print(f"kernels: kernels_cpu.cpp did not build ({reason}); int8 layers use the PyTorch paths", file=sys.stderr)
+        print(
+            f"kernels: kernels_cpu.cpp did not build ({reason}); int8/int4 layers use the PyTorch paths",
+            file=sys.stderr,
+        )
         return False
-    torch.library.register_fake("gpt_fast::int8_linear")(
-        lambda x, weight, scales, isa: x.new_empty(x.shape[0], weight.shape[0])
-    )
+    for op in ("gpt_fast::int8_linear", "gpt_fast::int4_linear"):  # [M, K] by [N, ...] weights -> [M, N]
+        torch.library.register_fake(op)(lambda x, weight, scales, isa: x.new_empty(x.shape[0], weight.shape[0]))
     return True
 
 
@@ -85,18 +101,23 @@ class Kernels:
     quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
     gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
     kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
-    int8_native: str | None = None  # a NATIVE_ISAS path: int8 products of up to NATIVE_ROWS rows by kernels_cpu.cpp
+    # NATIVE_ISAS paths: int8 / int4 products of up to NATIVE_ROWS rows by kernels_cpu.cpp (None: not)
+    int8_native: str | None = None
+    int4_native: str | None = None
 
     @classmethod
-    def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto") -> "Kernels":
+    def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto", quantized: bool = False) -> "Kernels":
         """The fastest measured choice for this CPU (scripts/benchmark.py --kernels shows the measurements).
 
         "fused" is a multiply-and-sum that torch.compile turns into one pass over the weights in their own
         dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
-        weights on every CPU measured, and for int8/int4 ones where AVX-512 converts bytes to floats fast
-        enough; on AVX2 ATen's int8/int4 kernels are faster. Widening int8 weights to bfloat16 for a matrix
-        product pays off only with native bfloat16 (AVX512-BF16, AMX): without it, matrix products emulate
-        bfloat16 and lose to float32 (docs/performance.md has the figures behind each choice)."""
+        weights on every CPU measured. Products of few rows with int8/int4 weights (quantized: the model has
+        some) run kernels_cpu.cpp's integer dot products ("native", built on first use), eager and compiled: on AVX2
+        far faster than the other paths, on AVX-512 level with or faster than the fused one. Where the file
+        cannot be built: "fused" where AVX-512 converts bytes to floats fast enough, ATen's int8/int4 kernels on
+        AVX2. Widening int8 weights to bfloat16 for a matrix product pays off only with native bfloat16
+        (AVX512-BF16, AMX): without it, matrix products emulate bfloat16 and lose to float32
+        (docs/performance.md has the figures behind each choice)."""
         if matvec not in ("auto", "fused", "library", "native"):
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -105,12 +126,14 @@ class Kernels:
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, gemm_dtype)
         fused = "fused" if compiled and device.type == "cpu" else "library"
-        native = None
-        if matvec == "native":  # opt-in: on the CPUs measured so far it does not beat auto (docs/performance.md)
+        quant = fused if avx512 else "library"
+        if matvec == "native":
             if device.type != "cpu" or not native_kernels():
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
-            native = native_isa()
-        return cls(fused, fused if avx512 else "library", gemm_dtype, int8_native=native)
+            return cls(fused, "library", gemm_dtype, int8_native=native_isa(), int4_native=native_isa())
+        if quantized and device.type == "cpu" and native_kernels():
+            return cls(fused, quant, gemm_dtype, int8_native=native_isa(), int4_native=native_isa())
+        return cls(fused, quant, gemm_dtype)
 
     def describe(self) -> dict:
         dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
@@ -119,6 +142,7 @@ class Kernels:
             "float_matvec": self.float_matvec,
             "quant_matvec": self.quant_matvec,
             "int8_native": self.int8_native,
+            "int4_native": self.int4_native,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
@@ -189,6 +213,7 @@ class Int8Linear(nn.Module):
         self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
         # kernels_cpu.cpp's byte products need weights in [-127, 127] (ours are) and whole blocks of 32 inputs.
         native = self.kernels.int8_native is not None and not self.weight.is_cuda and self.in_features % 32 == 0
+        native = native and native_kernels()  # loaded (built on first use), whoever made the choice
         self.native_scales = self.scales.float() if native and int(self.weight.min()) > -128 else None
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
@@ -233,11 +258,16 @@ class Int4Linear(nn.Module):
         self.register_buffer("halves", None, persistent=False)
         self.register_buffer("group_scales", None, persistent=False)
         self.register_buffer("group_offsets", None, persistent=False)
+        # kernels_cpu.cpp's layout (products of up to NATIVE_ROWS rows): per 64 inputs, 32 bytes whose low nibbles
+        # are inputs 0-31 and high nibbles 32-63; a float16 scale and offset per block of 32 inputs [N, K / 32, 2].
+        self.register_buffer("native_codes", None, persistent=False)
+        self.register_buffer("native_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
-        """Converts the stored packing to the layout of this device's int4 kernel, and to the halves layout
-        when one-row products are fused (kernels.quant_matvec) and each half of the inputs holds whole groups."""
+        """Converts the stored packing to the layout of this device's int4 kernel, and on a CPU to kernels_cpu.cpp's
+        layout (kernels.int4_native), else to the halves layout when one-row products are fused (kernels.quant_matvec)
+        and each half of the inputs holds whole groups."""
         cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
         self.kernel_scales_and_zeros = self.scales_and_zeros.to(
             torch.bfloat16 if cuda else self.kernels.kernel_activations
@@ -254,14 +284,36 @@ class Int4Linear(nn.Module):
             self.groupsize_tensor = torch.tensor(self.groupsize)
             half = self.in_features // 2
             self.halves = self.group_scales = self.group_offsets = None  # from an earlier choice of kernels
-            if self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
+            self.native_codes, self.native_scales = self.native_layout(codes)
+            if self.native_codes is None and self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
                 self.halves = codes[:, :half] | codes[:, half:] << 4
                 self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
                 # (code - 8) * scale + zero, folded into one multiply-add per weight in forward
                 zeros = self.scales_and_zeros[..., 1].T.float()
                 self.group_offsets = (zeros - 8 * self.group_scales).contiguous()
 
+    def native_layout(self, codes: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """codes [N, K] -> kernels_cpu.cpp's codes and scales, or (None, None) when the kernel is not chosen or not
+        built, K is not a multiple of 64, or a scale or offset does not fit float16."""
+        if self.kernels.int4_native is None or self.in_features % 64 or not native_kernels():
+            return None, None
+        n, k = codes.shape
+        pairs = codes.view(n, k // 64, 2, 32)
+        native_codes = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, k // 2).contiguous()
+        scales, zeros = self.scales_and_zeros.float().unbind(-1)  # [K / groupsize, N] each
+        per_block = torch.stack([scales, zeros - 8 * scales], -1).transpose(0, 1)  # [N, groups, 2]
+        native_scales = per_block.repeat_interleave(self.groupsize // 32, dim=1).half().contiguous()
+        if not native_scales.isfinite().all():
+            return None, None
+        return native_codes, native_scales
+
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
+        if self.native_codes is not None and x.numel() // self.in_features <= NATIVE_ROWS:
+            isa = NATIVE_ISAS.index(self.kernels.int4_native)
+            x2d = x.reshape(-1, self.in_features).float()
+            y = torch.ops.gpt_fast.int4_linear(x2d, self.native_codes, self.native_scales, isa)
+            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         # fused_rows: the halves layout fuses one row only, which every step allows
         if self.halves is not None and x.numel() == self.in_features:
             # A float32 multiply-and-sum that torch.compile fuses into one pass over the 4-bit codes, like

@@ -3,6 +3,7 @@
     python scripts/benchmark.py                                    # SmolLM2: compiled float32/bfloat16/int8/int4
     python scripts/benchmark.py --peers llama.cpp,transformers     # and the peers, on the same GGUF file
     python scripts/benchmark.py --configs eager:float32,compiled:float32 --rounds 5 --json
+    python scripts/benchmark.py --configs eager:int4,compiled:int4,compiled:CHECKPOINT_FILE.pth --check
     python scripts/benchmark.py --shape llama-2-7b --device cuda --configs compiled:bfloat16,compiled:int8,compiled:int4
     python scripts/benchmark.py --draft checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth --configs compiled:float32
     python scripts/benchmark.py --shape llama-2-7b --device cuda --configs compiled:bfloat16 --draft int4   # own copy
@@ -16,9 +17,14 @@ step reads x steps per second / the copy bandwidth measured at the start of the 
 --start times what a user waits for: `generate.py --compile` in a new process, from its start to its
 exit after 2 greedy tokens (an upper bound of the time to the first token), with an empty inductor
 cache ("first start s") and then with the cache that run left ("start s").
-int8 / int4 models are quantized in memory (round to nearest; int4 groups of --groupsize).
-llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python);
-its F32 / F16 / Q8_0 files are made from the GGUF with the package's own quantize function.
+int8 / int4 models are quantized in memory (round to nearest; int4 groups of --groupsize), or a configuration names
+a checkpoint file (float, or quantized as the file says). --check fails a compiled configuration that decodes slower
+than the same one eager, and an int8/int4 one slower than float32 run the same way.
+llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python): the GGUF as it is,
+and its F32 / F16 / Q8_0 / Q4_1 copies made by the package's own quantize function. Our rows compare with the copy of
+their precision, or with the GGUF as it is for a checkpoint converted from it (convert_gguf.py --int4). The table
+names the instruction sets llama.cpp was built with: a llama.cpp built for AVX2 only (docs/performance.md says how)
+is the peer of our AVX2 path (ATEN_CPU_CAPABILITY=avx2).
 """
 
 import argparse
@@ -40,7 +46,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from checkpoint import DEFAULT_CHECKPOINT, DEFAULT_DEVICE, HelpFormatter, device_flag, resolve_checkpoint, user_errors  # noqa: E402
+from checkpoint import (  # noqa: E402
+    DEFAULT_CHECKPOINT,
+    DEFAULT_DEVICE,
+    HelpFormatter,
+    device_flag,
+    load_checkpoint,
+    resolve_checkpoint,
+    user_errors,
+)
 from config import ModelArgs  # noqa: E402
 from decode import compile_steps, ensure_caches  # noqa: E402
 from generate import generate, load_model  # noqa: E402
@@ -72,6 +86,8 @@ class Entry:
     name: str
     run: object  # () -> dict(prefill_tokens_per_s, time_to_first_token_s, decode_tokens_per_s)
     precision: str | None = None  # ours: the comparable precision; peers: None
+    config: "Config | None" = None  # ours: what ran
+    peer: str | None = None  # ours: the name of the llama.cpp entry it is compared with
     weight_bytes: int = 0  # bytes a decode step reads
     memory_mb: float = float("nan")  # RSS growth (CPU) or peak allocated (CUDA) while loading and warming up
     compile_s: float | None = None
@@ -88,7 +104,9 @@ class Entry:
 class Config:
     compiled: bool
     precision: str
-    matvec: str  # auto, fused or library: see kernels.Kernels
+    matvec: str  # auto, fused, library or native: see kernels.Kernels
+    checkpoint: Path | None = None  # a checkpoint file to run as it is, of this precision
+    from_gguf: bool = False  # the checkpoint's weights are the GGUF's own blocks (convert_gguf.py --int4)
 
 
 def parse_configs(text: str) -> list[Config]:
@@ -96,12 +114,25 @@ def parse_configs(text: str) -> list[Config]:
     configs = []
     for item in text.split(","):
         parts = item.strip().split(":")
-        mode, precision, matvec = parts + ["auto"] if len(parts) == 2 else parts if len(parts) == 3 else ("",) * 3
-        if mode not in ("eager", "compiled") or precision not in PRECISIONS or matvec not in MATVECS:
+        mode, what, matvec = parts + ["auto"] if len(parts) == 2 else parts if len(parts) == 3 else ("",) * 3
+        if (
+            mode not in ("eager", "compiled")
+            or not (what in PRECISIONS or what.endswith(".pth"))
+            or matvec not in MATVECS
+        ):
             raise argparse.ArgumentTypeError(
-                f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}[:{'|'.join(MATVECS)}]"
+                f"bad config {item!r}: use eager|compiled:{'|'.join(PRECISIONS)}|FILE.pth[:{'|'.join(MATVECS)}]"
             )
-        configs.append(Config(mode == "compiled", precision, matvec))
+        if what in PRECISIONS:
+            configs.append(Config(mode == "compiled", what, matvec))
+            continue
+        try:
+            quantization = load_checkpoint(Path(what))[1]
+        except (OSError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"config {item!r}: {e}") from None
+        precision = quantization["mode"] if quantization else "float32"
+        from_gguf = quantization is not None and quantization.get("method") == "gguf"
+        configs.append(Config(mode == "compiled", precision, matvec, Path(what), from_gguf))
     return configs
 
 
@@ -161,9 +192,11 @@ def base_model(args, dtype: torch.dtype, kernels: Kernels) -> Transformer:
 
 def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False) -> Entry:
     compiled, precision = config.compiled, config.precision
-    kernels = Kernels.choose(args.device, compiled, config.matvec)
+    kernels = Kernels.choose(args.device, compiled, config.matvec, quantized=precision in ("int8", "int4"))
 
     def build():
+        if config.checkpoint is not None:
+            return load_model(config.checkpoint, args.device, torch.float32, kernels=kernels)
         base = base_model(args, torch.bfloat16 if precision == "bfloat16" else torch.float32, kernels)
         return (
             base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize, kernels)
@@ -191,13 +224,18 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
         }
 
     matvec = kernels.float_matvec if precision in ("float32", "bfloat16") else kernels.quant_matvec
-    if precision == "int8" and kernels.int8_native is not None:
-        matvec = f"native {kernels.int8_native}"
+    native = {"int8": kernels.int8_native, "int4": kernels.int4_native}.get(precision)
+    if native is not None:
+        matvec = f"native {native}"
     path = f" ({matvec})" if args.device.type == "cpu" else ""
-    name = f"ours {'compiled' if compiled else 'eager'} {precision}{path}" + (
+    file = f" {config.checkpoint.name}" if config.checkpoint else ""
+    name = f"ours {'compiled' if compiled else 'eager'} {precision}{file}{path}" + (
         f" + draft (k={args.speculate_k})" if draft else ""
     )
-    entry = Entry(name, run, precision, model_size_bytes(model), memory, compiled=compiled)
+    peer = None
+    if "llama.cpp" in args.peers:
+        peer = f"llama.cpp {gguf_file_type(peers_gguf(args)) if config.from_gguf else LLAMA_CPP_TYPES[precision]}"
+    entry = Entry(name, run, precision, config, peer, model_size_bytes(model), memory, compiled=compiled)
     start = time.perf_counter()
     entry.run()  # warm-up: compiles, if compiled
     entry.compile_s = time.perf_counter() - start if compiled else None
@@ -207,8 +245,9 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
 def measure_start(args, config: Config, folder: Path) -> tuple[float, float]:
     """Seconds from process start to exit of `generate.py --compile` making 2 greedy tokens: with an empty
     inductor cache, then with the one it filled. int8 / int4 checkpoints are quantized into folder first."""
-    checkpoint = resolve_checkpoint(args.checkpoint_path)
-    if config.precision in ("int8", "int4"):  # the model and the config and tokenizer files that quantize.py needs
+    checkpoint = config.checkpoint or resolve_checkpoint(args.checkpoint_path)
+    if config.checkpoint is None and config.precision in ("int8", "int4"):
+        # quantize.py's inputs: the model, and the config and tokenizer files beside it
         for f in [checkpoint, *(f for f in checkpoint.parent.iterdir() if f.is_file() and f.suffix != ".pth")]:
             (folder / f.name).symlink_to(f.resolve())
         checkpoint = quantize_checkpoint(folder / checkpoint.name, config.precision, args.groupsize)
@@ -244,11 +283,22 @@ def measure_start(args, config: Config, folder: Path) -> tuple[float, float]:
     return times[0], times[1]
 
 
+def gguf_file_type(path: Path) -> str:
+    """The GGUF's llama.cpp file type, as llama.cpp names it: F32, F16, Q8_0, Q4_1, Q4_K_M, ..."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields.get("general.file_type")
+    if field is None:
+        return "as is"
+    return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 def gguf_variant(source: Path, kind: str, threads: int) -> Path:
-    """source requantized to llama.cpp type `kind` (cached beside it), made by llama.cpp itself."""
+    """source requantized to llama.cpp type `kind` (cached beside it), made by llama.cpp itself; source itself
+    when it is of that type."""
     import llama_cpp
 
-    if kind == "Q4_1" and "Q4_1" in source.name:
+    if kind == gguf_file_type(source):
         return source
     out = source.with_name(f"{source.stem}.bench-{kind}.gguf")
     if not out.is_file():
@@ -367,7 +417,7 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
             "start_s": e.start_s[1] if e.start_s else None,
         }
         if e.precision is not None:
-            peer = peers.get(f"llama.cpp {LLAMA_CPP_TYPES[e.precision]}")
+            peer = peers.get(e.peer)
             if peer is not None:
                 row["vs_llama_cpp_decode"] = decode / peer.median("decode_tokens_per_s")
                 row["vs_llama_cpp_prefill"] = row["prefill_tokens_per_s"] / peer.median("prefill_tokens_per_s")
@@ -512,12 +562,11 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     p = parser()
     args = p.parse_args(argv)
-    if args.check and not any(
-        c.precision in ("int8", "int4")
-        and any(f.precision == "float32" and f.compiled == c.compiled for f in args.configs)
-        for c in args.configs
-    ):
-        p.error("--check compares int8/int4 with float32 run the same way: give both in --configs")
+    if args.check and not comparable_pairs(args.configs):
+        p.error(
+            "--check compares a compiled config with the same one eager, int8/int4 with float32 run the same way: "
+            "give such a pair in --configs"
+        )
     for name in ("prompt_length", "new_tokens", "rounds", "threads", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
@@ -583,10 +632,11 @@ def benchmark(args):
         profile_entries(args, entries)
     text, rows = table(entries, bandwidth, args.device)
     cpu = cpu_description()
+    llama = f"llama.cpp built with: {llama_cpp_features()}\n" if "llama.cpp" in args.peers else ""
     print(
         f"\n{args.shape or args.checkpoint_path}, batch 1, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
         f"{args.threads} threads, medians of {args.rounds} rounds; copy bandwidth {bandwidth:.1f} GB/s\n"
-        f"CPU: {cpu}\n"
+        f"CPU: {cpu}\n{llama}"
     )
     print(text)
     if args.chart is not None:
@@ -601,12 +651,14 @@ def benchmark(args):
     if args.json:
         print(json.dumps({"copy_bandwidth_gb_s": bandwidth, "cpu": cpu, "rows": rows}))
     if args.check:
-        slower = quantized_slower_than_float32(entries)
+        slower = slower_configurations(entries)
         for line in slower:
             print(f"check failed: {line}", file=sys.stderr)
         if slower:
             sys.exit(1)
-        print("check passed: every quantized configuration decodes at least as fast as float32", file=sys.stderr)
+        print(
+            "check passed: no compiled configuration slower than eager, no quantized one than float32", file=sys.stderr
+        )
 
 
 def prepare_entries(args, prompt: list[int]) -> list[Entry]:
@@ -628,7 +680,8 @@ def prepare_entries(args, prompt: list[int]) -> list[Entry]:
             import llama_cpp  # noqa: F401
         except ImportError:
             sys.exit("error: --peers llama.cpp needs the llama-cpp-python package (pip install llama-cpp-python)")
-        for kind in sorted({LLAMA_CPP_TYPES[c.precision] for c in args.configs}, key=list(LLAMA_FTYPES).index):
+        kinds = [LLAMA_CPP_TYPES[c.precision] for c in args.configs] + [gguf_file_type(peers_gguf(args))]
+        for kind in sorted(set(kinds), key=lambda k: list(LLAMA_FTYPES).index(k) if k in LLAMA_FTYPES else 9):
             print(f"preparing llama.cpp {kind} ...", file=sys.stderr)
             entries.append(llama_cpp_entry(gguf_variant(peers_gguf(args), kind, args.threads), kind, prompt, args))
     if "transformers" in args.peers:
@@ -665,20 +718,49 @@ def profile_entries(args, entries: list[Entry]):
         print(f"\n{e.name}: trace in {path}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def quantized_slower_than_float32(entries: list[Entry]) -> list[str]:
-    """The quantized configurations that decode slower than float32 run the same way (compiled or eager)."""
-    ours = [e for e in entries if e.precision is not None and "draft" not in e.name]
+def comparable_pairs(configs: list[Config]) -> list[tuple[Config, Config]]:
+    """What --check compares, (config, the one it must decode at least as fast as): a compiled configuration and the
+    same one eager; an int8/int4 one and float32 run the same way (compiled or eager)."""
+    pairs = []
+    for c in configs:
+        for other in configs:
+            eager = c.compiled and other == Config(False, c.precision, c.matvec, c.checkpoint, c.from_gguf)
+            floats = c.precision in ("int8", "int4") and other.precision == "float32" and other.compiled == c.compiled
+            if eager or floats:
+                pairs.append((c, other))
+    return pairs
+
+
+def slower_configurations(entries: list[Entry]) -> list[str]:
+    """Our configurations that decode slower than one they are compared with (comparable_pairs): for int8/int4, the
+    fastest float32 one."""
+    ours = {e.config: e for e in entries if e.config is not None and "draft" not in e.name}
+    slowest_allowed = {}
+    for config, other in comparable_pairs(list(ours)):
+        if other.precision != config.precision:  # the fastest float32 run the same way
+            best = slowest_allowed.get((config, "float32"))
+            if best is None or ours[other].median("decode_tokens_per_s") > best.median("decode_tokens_per_s"):
+                slowest_allowed[(config, "float32")] = ours[other]
+        else:
+            slowest_allowed[(config, "eager")] = ours[other]
     problems = []
-    for e in ours:
-        floats = [f for f in ours if f.precision == "float32" and f.compiled == e.compiled]
-        if e.precision in ("int8", "int4") and floats:
-            best = max(floats, key=lambda f: f.median("decode_tokens_per_s"))
-            if e.median("decode_tokens_per_s") < best.median("decode_tokens_per_s"):
-                problems.append(
-                    f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
-                    f"{best.name} {best.median('decode_tokens_per_s'):.1f}"
-                )
+    for (config, _), other in slowest_allowed.items():
+        e = ours[config]
+        if e.median("decode_tokens_per_s") < other.median("decode_tokens_per_s"):
+            problems.append(
+                f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
+                f"{other.name} {other.median('decode_tokens_per_s'):.1f}"
+            )
     return problems
+
+
+def llama_cpp_features() -> str:
+    """The CPU features llama.cpp was built to use (llama_print_system_info's that are on), and where it loads from."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    on = [part.split("=")[0].strip() for part in info.replace(":", "|").split("|") if part.strip().endswith("= 1")]
+    return f"{' '.join(on)} ({Path(llama_cpp.__file__).parent})"
 
 
 def cpu_description() -> str:

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from benchmark import Entry, chart_bars, quantized_slower_than_float32
+from benchmark import Config, Entry, chart_bars, slower_configurations
 from conftest import ROOT
+from quantize import quantize_checkpoint
 
 
 def run_benchmark(*args):
@@ -84,17 +85,40 @@ def test_own_quantized_copy_as_draft_and_no_recompiles(tiny_checkpoint):
     assert all(r["compile_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
 
 
-def test_check_flags_a_quantized_config_slower_than_float32():
-    def entry(name, precision, compiled, *speeds):
-        return Entry(name, None, precision, compiled=compiled, runs=[{"decode_tokens_per_s": s} for s in speeds])
+def test_check_flags_compiled_slower_than_eager_and_quantized_slower_than_float32():
+    def entry(name, config, *speeds):
+        runs = [{"decode_tokens_per_s": s} for s in speeds]
+        return Entry(name, None, config.precision, config, compiled=config.compiled, runs=runs)
 
-    float32 = entry("f32 compiled", "float32", True, 30, 28, 29)  # median 29
-    fast, slow = entry("int8 compiled", "int8", True, 40, 41, 20), entry("int4 compiled", "int4", True, 28, 35, 27)
-    eager_int8 = entry("int8 eager", "int8", False, 5, 5, 5)  # no eager float32 to compare with
-    peer = entry("llama.cpp Q8_0", None, False, 1, 1, 1)
-    problems = quantized_slower_than_float32([float32, fast, slow, eager_int8, peer])
-    assert problems == ["int4 compiled decodes 28.0 tok/s, f32 compiled 29.0"]
-    assert quantized_slower_than_float32([float32, fast]) == []
+    f32, int8, int4 = (Config(True, p, "auto") for p in ("float32", "int8", "int4"))
+    float32 = entry("f32 compiled", f32, 30, 28, 29)  # median 29
+    fast, slow = entry("int8 compiled", int8, 40, 41, 20), entry("int4 compiled", int4, 28, 35, 27)
+    eager_int8 = entry("int8 eager", Config(False, "int8", "auto"), 45, 45, 45)  # no eager float32 to compare with
+    library = entry("int8 compiled library", Config(True, "int8", "library"), 50, 50, 50)  # no eager library
+    peer = Entry("llama.cpp Q8_0", None, runs=[{"decode_tokens_per_s": 1}] * 3)
+    problems = slower_configurations([float32, fast, slow, eager_int8, library, peer])
+    assert sorted(problems) == [
+        "int4 compiled decodes 28.0 tok/s, f32 compiled 29.0",
+        "int8 compiled decodes 40.0 tok/s, int8 eager 45.0",
+    ]
+    assert slower_configurations([float32, fast, library]) == []
+
+
+def test_check_needs_a_pair_to_compare():
+    result = run_benchmark("--configs", "compiled:int8,eager:float32", "--check")
+    assert result.returncode == 2 and "--check compares" in result.stderr
+
+
+def test_a_checkpoint_file_as_a_configuration(tiny_checkpoint):
+    """compiled:FILE.pth runs the file as it is: its precision from its quantization, named in the row."""
+    int4 = quantize_checkpoint(tiny_checkpoint / "model.pth", "int4", 32)
+    short = ["--rounds", "1", "--json", "--prompt_length", "4", "--new_tokens", "4"]
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), "--configs", f"eager:{int4}", *short)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert row["config"].startswith(f"ours eager int4 {int4.name} (") and row["decode_tokens_per_s"] > 0
+    missing = run_benchmark("--configs", "eager:/nonexistent/model.pth")
+    assert missing.returncode == 2 and "/nonexistent/model.pth" in missing.stderr
 
 
 def test_chart_sets_each_precision_beside_its_comparable_peers():

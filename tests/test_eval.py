@@ -43,6 +43,8 @@ def test_perplexity_matches_a_float64_reference(tmp_path, tiny_tokenizer_json):
         ppl, counted = perplexity(model, tokens, window, stride)
         assert counted == 199
         assert ppl == pytest.approx(reference_perplexity(hf, tokens, window, stride), rel=RELATIVE)
+    # decode-shaped: 5 tokens a forward pass through the KV cache scores the same tokens the same way
+    assert perplexity(model, tokens, 64, 16, step_rows=5) == (pytest.approx(perplexity(model, tokens, 64, 16)[0]), 199)
     with pytest.raises(ValueError, match="need 0 < stride < window"):
         perplexity(model, tokens, 50, 50)  # the token at each window's start would have no context
 

@@ -1,5 +1,5 @@
-"""kernels_cpu.cpp's int8 products against an integer reference, for every ISA path this CPU runs; rows bitwise the
-same alone and in batches; the PyTorch fallback when the file cannot be built."""
+"""kernels_cpu.cpp's int8 and int4 products against an integer reference, for every ISA path this CPU runs; rows
+bitwise the same alone and in batches; the layers' use of them; the PyTorch fallback when the file cannot be built."""
 
 import os
 import subprocess
@@ -18,36 +18,40 @@ pytestmark = pytest.mark.numerics
 
 
 def runnable_isas() -> list[int]:
-    """NATIVE_ISAS indices this process may run: up to the best one native_isa() allows, VNNI where it does."""
-    best = kernels.NATIVE_ISAS.index(kernels.native_isa())
-    vnni = best in (2, 4)
-    return [i for i in range(best + 1) if i in (0, 1, 3) or (vnni and i in (2, 4))]
+    """NATIVE_ISAS indices this process may run (the CPU's instructions, as torch's CPU capability allows)."""
+    return [kernels.NATIVE_ISAS.index(isa) for isa in kernels.native_isas()]
 
 
 @pytest.fixture(scope="module")
-def ops():
-    if not kernels.native_kernels():
-        # CI must not go green without the kernels: there a failed build fails these tests.
-        assert os.environ.get("CI") != "true", "kernels_cpu.cpp did not build"
-        pytest.skip("kernels_cpu.cpp did not build here (no C++ compiler?)")
-    return torch.ops.gpt_fast
+def ops(native_ops):
+    return native_ops
 
 
-def reference(x: np.ndarray, w: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's arithmetic in NumPy: activations to int8 codes per block of 32 in float32 as the kernel rounds
-    them, integer block dot products in int64; returns y in float64 and, for the rounding bound, the sum of the
-    magnitudes of the partial sums a kernel may add in float (4 products each, a vector lane's)."""
+def quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] as the kernel quantizes it, in float32: codes [M, K / 32, 8, 4] (a vector lane's 4 bytes last) in
+    int64, block scales d [M, K / 32] in float64, and the blocks of x [M, K / 32, 32] in float32."""
     m, k = x.shape
     blocks = x.reshape(m, k // 32, 32).astype(np.float32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     inverse = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
-    codes = np.rint(blocks * inverse).astype(np.int64)
-    d = (amax / np.float32(127)).astype(np.float32)[..., 0].astype(np.float64)  # [M, K / 32]
-    weights = w.reshape(w.shape[0], k // 32, 8, 4).astype(np.int64)
-    lanes = np.einsum("mblj,nblj->mnbl", codes.reshape(m, k // 32, 8, 4), weights)  # exact, 4 products each
+    codes = np.rint(blocks * inverse).astype(np.int64).reshape(m, k // 32, 8, 4)
+    return codes, (amax / np.float32(127)).astype(np.float32)[..., 0].astype(np.float64), blocks
+
+
+def float32_bound(blocks: int, magnitude: np.ndarray) -> np.ndarray:
+    """How far float32 sums of a kernel's block terms may stray: 2^-22 per term added (a lane's, the reductions'),
+    on the sum of the terms' magnitudes."""
+    return (blocks + 16) * 2.0**-22 * magnitude
+
+
+def reference(x: np.ndarray, w: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 kernel's arithmetic in NumPy: integer block dot products in int64 (a vector lane's 4 products each),
+    times the block scales in float64; returns y and the float32 rounding bound."""
+    codes, d, _ = quantized_activations(x)
+    lanes = np.einsum("mblj,nblj->mnbl", codes, w.reshape(w.shape[0], *codes.shape[1:]).astype(np.int64))
     terms = lanes * d[:, None, :, None]
     scale = scales.astype(np.float64)
-    return terms.sum((-1, -2)) * scale, np.abs(terms).sum((-1, -2)) * np.abs(scale)
+    return terms.sum((-1, -2)) * scale, float32_bound(d.shape[1], np.abs(terms).sum((-1, -2)) * np.abs(scale))
 
 
 @pytest.mark.parametrize("k", [32, 96, 576, 1056])  # one block; odd block counts; K not a multiple of 256
@@ -73,29 +77,87 @@ def test_float_outputs_within_rounding_of_the_reference(ops, k):
     g = torch.Generator().manual_seed(k)
     x, w = torch.randn(8, k, generator=g), torch.randint(-127, 128, (45, k), dtype=torch.int8, generator=g)
     scales = torch.rand(45, generator=g) / 100
-    y_ref, magnitude = reference(x.numpy(), w.numpy(), scales.numpy())
-    bound = (k // 32 + 16) * 2.0**-22 * magnitude
+    y_ref, bound = reference(x.numpy(), w.numpy(), scales.numpy())
     for isa in runnable_isas():
         y = ops.int8_linear(x, w, scales, isa).double().numpy()
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
 
 
-def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops):
+def int4_weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random codes [N, K] in 0..15, their kernel layout (kernels.Int4Linear.native_layout's) and float16 scales and
+    offsets [N, K / 32, 2]."""
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    pairs = codes.view(n, k // 64, 2, 32)
+    layout = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, k // 2)
+    scales = torch.stack([torch.rand(n, k // 32, generator=g) / 50, torch.randn(n, k // 32, generator=g) / 10], -1)
+    return codes, layout, scales.half()
+
+
+def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The int4 kernel's arithmetic in NumPy: per block, d * (scale * (int64 dot product of the codes) + offset * (sum
+    of the activation codes)); returns y in float64 and the float32 rounding bound."""
+    activation_codes, d, _ = quantized_activations(x)
+    lanes = np.einsum(
+        "mblj,nblj->mnbl", activation_codes, codes.reshape(-1, *activation_codes.shape[1:]).astype(np.int64)
+    )
+    scale, offset = scales[..., 0].astype(np.float64), scales[..., 1].astype(np.float64)  # [N, K / 32]
+    scaled = lanes * (d[:, None, :] * scale[None])[..., None]
+    offsets = offset[None] * (d * activation_codes.sum((-1, -2)))[:, None, :]
+    magnitude = np.abs(scaled).sum((-1, -2)) + np.abs(offsets).sum(-1)
+    return scaled.sum((-1, -2)) + offsets.sum(-1), float32_bound(d.shape[1], magnitude)
+
+
+@pytest.mark.parametrize("k", [64, 576, 1088])  # one pair of blocks; K not a multiple of 256; an odd pair count
+def test_int4_integer_dot_products_are_exact(ops, k):
+    """As for int8, with codes 0..15, scales 1 and offsets 0: every output is the int64 dot product exactly; then
+    offsets alone (codes' scale 0) give offset * the sum of the (integer) activations exactly."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-127, 128, (8, k), generator=g).float()
+    x[:, ::32] = 127.0
+    codes, layout, _ = int4_weights(37, k, g)
+    ones = torch.stack([torch.ones(37, k // 32), torch.zeros(37, k // 32)], -1).half()
+    offsets = torch.stack([torch.zeros(37, k // 32), torch.full((37, k // 32), 2.0)], -1).half()
+    expected, sums = x.long() @ codes.long().T, 2 * x.long().sum(-1, keepdim=True)
+    for isa in runnable_isas():
+        for m in range(1, 9):
+            y = ops.int4_linear(x[:m], layout, ones, isa)
+            assert torch.equal(y.long(), expected[:m]) and torch.equal(y, y.round()), kernels.NATIVE_ISAS[isa]
+        assert torch.equal(ops.int4_linear(x, layout, offsets, isa), sums.expand(8, 37).float())
+
+
+@pytest.mark.parametrize("k", [64, 576, 1088])
+def test_int4_float_outputs_within_rounding_of_the_reference(ops, k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(8, k, generator=g)
+    codes, layout, scales = int4_weights(45, k, g)
+    y_ref, bound = int4_reference(x.numpy(), codes.numpy(), scales.float().numpy())
+    for isa in runnable_isas():
+        y = ops.int4_linear(x, layout, scales, isa).double().numpy()
+        assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(8, 576, generator=g), torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g)
-    scales = torch.rand(64, generator=g)
-    compiled = torch.compile(lambda x, isa: ops.int8_linear(x, w, scales, isa), fullgraph=True, dynamic=False)
+    x = torch.randn(8, 576, generator=g)
+    if kind == "int8":
+        weights = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g), torch.rand(64, generator=g)
+    else:
+        weights = int4_weights(64, 576, g)[1:]
+    op = ops.int8_linear if kind == "int8" else ops.int4_linear
+    compiled = torch.compile(lambda x, isa: op(x, *weights, isa), fullgraph=True, dynamic=False)
     for isa in runnable_isas():
         torch._dynamo.reset()  # a graph per isa and shape: within Dynamo's recompile limit for each isa
-        alone = torch.cat([ops.int8_linear(x[i : i + 1], w, scales, isa) for i in range(8)])
+        alone = torch.cat([op(x[i : i + 1], *weights, isa) for i in range(8)])
         for m in range(2, 9):
-            assert torch.equal(ops.int8_linear(x[:m], w, scales, isa), alone[:m]), (kernels.NATIVE_ISAS[isa], m)
+            assert torch.equal(op(x[:m], *weights, isa), alone[:m]), (kernels.NATIVE_ISAS[isa], m)
         assert torch.equal(compiled(x, isa), alone) and torch.equal(compiled(x[:1], isa), alone[:1])
 
 
 def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
-    """Int8Linear with int8_native: rows up to NATIVE_ROWS by the kernel (int8 activations: ~4e-3 from float64 here),
-    more by ATen's paths; a weight of -128, which the byte products cannot take, keeps the layer off the kernel."""
+    """Int8Linear with Kernels.int8_native: rows up to NATIVE_ROWS by the kernel (int8 activations: ~4e-3 from
+    float64 here), more by ATen's paths; a weight of -128, which the byte products cannot take, keeps the layer off
+    the kernel."""
     torch.manual_seed(4)
     w = torch.randn(96, 160)
     layer = kernels.Int8Linear(160, 96)
@@ -113,18 +175,52 @@ def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
     assert layer.native_scales is None
 
 
+@pytest.mark.parametrize("groupsize", [32, 128])
+def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
+    """Int4Linear with Kernels.int4_native: its stored groups become kernels_cpu.cpp's per-block float16 scales and
+    offsets; rows up to NATIVE_ROWS run the kernel, within int8 activations' error of the float64 product of the
+    stored weights; more rows run ATen's kernel. A K that is not a multiple of 64 keeps the layer off the kernel."""
+    torch.manual_seed(5)
+    w = torch.randn(96, 256)
+    layer = kernels.Int4Linear(256, 96, groupsize)
+    scales, zeros = qz.int4_group_params(w, groupsize)
+    codes = qz.quantize_int4_values(w, scales, zeros, groupsize)
+    layer.weight = qz.pack_int4(codes)
+    layer.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()  # [K / groupsize, N, 2]
+    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa())
+    layer.prepare()
+    x = torch.randn(8, 256)
+    isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
+    assert torch.equal(layer(x), ops.int4_linear(x, layer.native_codes, layer.native_scales, isa))
+    reference_y = x.double() @ qz.dequantize_int4(codes, scales, zeros, groupsize).double().T
+    assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
+    assert ((layer(torch.cat([x] * 2))[:8] - reference_y).norm() / reference_y.norm()).item() < 1e-2  # ATen's
+    odd = kernels.Int4Linear(96, 16, 32)
+    odd.weight, odd.scales_and_zeros = layer.weight[:16, :48], layer.scales_and_zeros[:3, :16]
+    odd.kernels = layer.kernels
+    odd.prepare()
+    assert odd.native_codes is None
+
+
 def test_without_a_compiler_the_pytorch_paths_run(tiny_checkpoint, tmp_path):
-    """CXX pointing at no compiler: generate.py runs its int8 checkpoint on ATen's kernels (auto never builds), and
-    --kernels native is refused after one line that says why the build failed."""
+    """CXX pointing at no compiler: a float checkpoint never tries the build; an int8 one says in one line that
+    kernels_cpu.cpp did not build and runs on ATen's kernels; --kernels native is refused after that line."""
     int8 = qz.quantize_checkpoint(Path(tiny_checkpoint) / "model.pth", "int8")
     env = os.environ | {"CXX": str(tmp_path / "no-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
-    command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(int8), "--prompt", "Hi"]
-    command += ["--max_new_tokens", "4", "--temperature", "0", "--json"]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    assert run.returncode == 0 and "kernels_cpu.cpp" not in run.stderr, run.stderr[-2000:]
-    assert '"int8_native": null' in run.stdout.splitlines()[-1]
-    refused = subprocess.run(command + ["--kernels", "native"], env=env, capture_output=True, text=True, timeout=300)
-    said = [line for line in refused.stderr.splitlines() if "kernels_cpu.cpp" in line]
+
+    def generate(checkpoint: Path, *flags: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        command = [sys.executable, str(ROOT / "generate.py"), "--checkpoint_path", str(checkpoint), "--prompt", "Hi"]
+        command += ["--max_new_tokens", "4", "--temperature", "0", "--json", *flags]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        return run, [line for line in run.stderr.splitlines() if "kernels_cpu.cpp" in line]
+
+    run, said = generate(Path(tiny_checkpoint) / "model.pth")
+    assert run.returncode == 0 and said == [], run.stderr[-2000:]
+    run, said = generate(int8)
+    assert run.returncode == 0 and len(said) == 1 and "did not build" in said[0], run.stderr[-2000:]
+    stats = run.stdout.splitlines()[-1]
+    assert "no-compiler" in said[0] and '"int8_native": null' in stats and '"int4_native": null' in stats
+    refused, said = generate(int8, "--kernels", "native")
     assert refused.returncode == 1 and len(said) == 2, refused.stderr[-2000:]
-    assert "did not build" in said[0] and "no-compiler" in said[0] and said[1].startswith("error: --kernels native")
+    assert "did not build" in said[0] and said[1].startswith("error: --kernels native")
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))

@@ -64,13 +64,15 @@ def generate_tokens(nproc: int, *args) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tp_checkpoint(tmp_path_factory, tiny_tokenizer_json):
     """A tiny model with every feature the splits must handle: GQA, q/k/v/o biases, tied embeddings, and
-    sizes that allow int4 groups of 32 on 2 ranks; with its int8 and int4 versions."""
+    sizes that allow int4 groups of 32 and kernels_cpu.cpp's int4 blocks of 64 on 2 ranks (each rank's share of a
+    row-parallel layer's inputs: 64); with its int8 and int4 versions."""
     from convert_hf_checkpoint import convert_hf_checkpoint
 
     hf_dir = tmp_path_factory.mktemp("hf_tp")
     make_hf_llama(
         hf_dir,
         tiny_tokenizer_json,
+        hidden_size=128,
         num_key_value_heads=2,
         intermediate_size=128,
         attention_bias=True,
@@ -86,12 +88,23 @@ def tp_checkpoint(tmp_path_factory, tiny_tokenizer_json):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(
-    "name, compiled", [("model.pth", False), ("model_int8.pth", True), ("model_int4.g32.pth", False)]
+    "name, compiled, native",
+    [
+        ("model.pth", False, False),
+        ("model_int8.pth", True, False),
+        ("model_int4.g32.pth", False, False),
+        ("model_int8.pth", True, True),  # kernels_cpu.cpp, compiled
+        ("model_int4.g32.pth", False, True),
+    ],
 )
-def test_sharded_model_equals_one_process(tp_checkpoint, tmp_path, name, compiled):
-    expected = tp_worker.logits_and_tokens(tp_checkpoint / name, compiled=compiled)
+def test_sharded_model_equals_one_process(request, tp_checkpoint, tmp_path, name, compiled, native):
+    if native:
+        request.getfixturevalue("native_ops")  # built, or skipped (failed under CI=true)
+    kernels = tp_worker.native() if native else tp_worker.EXACT
+    expected = tp_worker.logits_and_tokens(tp_checkpoint / name, compiled=compiled, kernels=kernels)
     out = tmp_path / "result.pt"
-    result = torchrun(2, ROOT / "tests" / "tp_worker.py", str(tp_checkpoint / name), str(out), *["compile"] * compiled)
+    flags = ["compile"] * compiled + ["native"] * native
+    result = torchrun(2, ROOT / "tests" / "tp_worker.py", str(tp_checkpoint / name), str(out), *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     got = torch.load(out, weights_only=True)
     assert got["logits"].shape == expected["logits"].shape == (2, 9, 320)

@@ -1,7 +1,7 @@
 """Run by test_tp.py under torchrun (and called by it in one process): the logits of a padded batch and the
 greedy tokens of a batch of two prompts. Rank 0 saves both.
 
-    tp_worker.py CHECKPOINT OUT [compile]
+    tp_worker.py CHECKPOINT OUT [compile] [native]
 """
 
 import sys
@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import tp  # noqa: E402
 from decode import compile_steps  # noqa: E402
 from generate import generate, load_model  # noqa: E402
-from kernels import Kernels  # noqa: E402
+from kernels import Kernels, native_isa  # noqa: E402
 
 ROWS = [[5, 17, 3, 99, 250, 41, 7, 8], [0, 0, 0, 60, 61, 62, 300, 2]]  # row 1: three slots of left padding
 LEFT_PAD = [0, 3]
@@ -24,8 +24,15 @@ PROMPTS = [[5, 17, 3, 99, 250], [60, 61]]
 EXACT = Kernels(gemm_dtype=torch.float32, kernel_activations=torch.float32)
 
 
-def logits_and_tokens(checkpoint, shard=None, compiled=False) -> dict:
-    model = load_model(checkpoint, shard=shard, kernels=EXACT)
+def native() -> Kernels:
+    """EXACT with kernels_cpu.cpp's int8/int4 products (built on first use): a rank's share of a row-parallel
+    layer's inputs is whole blocks of 32, so only the order of the float sums over blocks differs."""
+    return Kernels(gemm_dtype=torch.float32, kernel_activations=torch.float32, int8_native=native_isa(),
+                   int4_native=native_isa())  # fmt: skip
+
+
+def logits_and_tokens(checkpoint, shard=None, compiled=False, kernels: Kernels = EXACT) -> dict:
+    model = load_model(checkpoint, shard=shard, kernels=kernels)
     with torch.no_grad():
         model.setup_caches(2, 16)
         left_pad = torch.tensor(LEFT_PAD)
@@ -39,7 +46,9 @@ def logits_and_tokens(checkpoint, shard=None, compiled=False) -> dict:
 if __name__ == "__main__":
     checkpoint, out = sys.argv[1:3]
     shard, _ = tp.maybe_init_dist(torch.device("cpu"))
-    result = logits_and_tokens(checkpoint, shard, compiled=sys.argv[3:] == ["compile"])
+    result = logits_and_tokens(
+        checkpoint, shard, "compile" in sys.argv[3:], native() if "native" in sys.argv[3:] else EXACT
+    )
     if shard.rank == 0:
         torch.save(result, out)
     tp.end_rank()
