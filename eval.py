@@ -20,6 +20,7 @@ import torch
 
 from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, user_errors
 from generate import load_models
+from kernels import MATVECS
 from quantize import default_text
 from tokenizer import read_text
 
@@ -59,8 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     parser.add_argument("--step_rows", type=int, default=None, help="tokens a forward pass (default: a window)")
     parser.add_argument("--device", type=device_flag, default="cpu", help="cpu, cuda or cuda:N")
-    kernels = ("auto", "fused", "library", "native")
-    parser.add_argument("--kernels", choices=kernels, default="auto", help="as generate.py's flag (eager)")
+    parser.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag (eager)")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
     args = parser.parse_args(argv)
     if args.stride is None:

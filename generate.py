@@ -48,7 +48,7 @@ from decode import (
     inductor_cache_dir,
     token_steps,
 )
-from kernels import Kernels, set_kernels
+from kernels import MATVECS, Kernels, set_kernels
 from model import Transformer
 from quantize import load_checkpoint_model, prepare_quantized
 from results import Generation, Speculation, check_stop, collect, find_stop, summarize, synchronize
@@ -275,7 +275,7 @@ def parser() -> argparse.ArgumentParser:
     arg("--compile_prefill", action="store_true", help="torch.compile the prefill too (dynamic shapes)")
     arg(
         "--kernels",
-        choices=("auto", "fused", "library", "native"),
+        choices=MATVECS,
         default="auto",
         help="CPU products of few rows: auto (the fastest measured for this CPU and --compile: int8/int4 by "
         "kernels_cpu.cpp, built on first use, where it builds), fused (float32 multiply-and-sum, for compiled steps), "

@@ -26,6 +26,7 @@ GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
+MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kernels.choose)
 # -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
 # has loaded; -ffp-contract=off: a row's float sums as written, the same instructions whatever the batch.
 NATIVE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
@@ -107,7 +108,8 @@ class Kernels:
 
     @classmethod
     def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto", quantized: bool = False) -> "Kernels":
-        """The fastest measured choice for this CPU (scripts/benchmark.py --kernels shows the measurements).
+        """The fastest measured choice for this CPU (scripts/benchmark.py's configs ending in :fused, :library or
+        :native measure the others).
 
         "fused" is a multiply-and-sum that torch.compile turns into one pass over the weights in their own
         dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
@@ -118,7 +120,7 @@ class Kernels:
         AVX2. Widening int8 weights to bfloat16 for a matrix product pays off only with native bfloat16
         (AVX512-BF16, AMX): without it, matrix products emulate bfloat16 and lose to float32
         (docs/performance.md has the figures behind each choice)."""
-        if matvec not in ("auto", "fused", "library", "native"):
+        if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()

@@ -38,6 +38,7 @@ from checkpoint import (
 from decode import check_speculation, compile_steps
 from engine import Choice, Engine, Event
 from generate import load_models
+from kernels import MATVECS
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 
@@ -268,7 +269,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     arg("--compile", action="store_true", help="torch.compile the decode step (one graph per power-of-two batch)")
-    arg("--kernels", choices=("auto", "fused", "library", "native"), default="auto", help="as generate.py's flag")
+    arg("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag")
     arg("--draft_checkpoint_path", type=Path, default=None, help="a draft model (same tokenizer): speculative decoding")
     arg("--speculate_k", type=int, default=4, help="tokens the draft proposes per slot and round")
     args = p.parse_args(argv)

@@ -58,7 +58,7 @@ from checkpoint import (  # noqa: E402
 from config import ModelArgs  # noqa: E402
 from decode import compile_steps, ensure_caches  # noqa: E402
 from generate import generate, load_model  # noqa: E402
-from kernels import Kernels, set_kernels  # noqa: E402
+from kernels import MATVECS, Kernels, set_kernels  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
 from results import model_size_bytes, synchronize  # noqa: E402
@@ -74,7 +74,6 @@ SHAPES = {  # random-weight models of well-known shapes: GPU runs need no downlo
     ),
 }
 PRECISIONS = ("float32", "bfloat16", "int8", "int4")
-MATVECS = ("auto", "fused", "library", "native")
 LLAMA_CPP_TYPES = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_1"}  # comparable formats
 LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's enum llama_ftype
 
@@ -126,6 +125,8 @@ def parse_configs(text: str) -> list[Config]:
         if what in PRECISIONS:
             configs.append(Config(mode == "compiled", what, matvec))
             continue
+        if not Path(what).is_file():
+            raise argparse.ArgumentTypeError(f"config {item!r}: checkpoint file {what} not found")
         try:
             quantization = load_checkpoint(Path(what))[1]
         except (OSError, ValueError) as e:

@@ -118,7 +118,7 @@ def test_a_checkpoint_file_as_a_configuration(tiny_checkpoint):
     (row,) = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert row["config"].startswith(f"ours eager int4 {int4.name} (") and row["decode_tokens_per_s"] > 0
     missing = run_benchmark("--configs", "eager:/nonexistent/model.pth")
-    assert missing.returncode == 2 and "/nonexistent/model.pth" in missing.stderr
+    assert missing.returncode == 2 and "checkpoint file /nonexistent/model.pth not found" in missing.stderr
 
 
 def test_chart_sets_each_precision_beside_its_comparable_peers():
