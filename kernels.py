@@ -26,6 +26,7 @@ GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
+NATIVE_GROUP = 4  # int4 output channels kernels_cpu.cpp interleaves (int4_native_layout)
 MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kernels.choose)
 # -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
 # has loaded; -ffp-contract=off: a row's float sums as written, the same instructions whatever the batch.
@@ -86,9 +87,32 @@ def native_kernels() -> bool:
             file=sys.stderr,
         )
         return False
-    for op in ("gpt_fast::int8_linear", "gpt_fast::int4_linear"):  # [M, K] by [N, ...] weights -> [M, N]
-        torch.library.register_fake(op)(lambda x, weight, scales, isa: x.new_empty(x.shape[0], weight.shape[0]))
+    # x [M, K] by int8 weights [N, K], or by int4 groups of channels [N / NATIVE_GROUP, K / 64, bytes] -> [M, N]
+    torch.library.register_fake("gpt_fast::int8_linear")(lambda x, w, scales, isa: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("gpt_fast::int4_linear")(
+        lambda x, packed, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
+    )
     return True
+
+
+def int4_native_layout(codes: Tensor, block_scales: Tensor) -> Tensor:
+    """codes [N, K] in 0..15 and float16 (scale, offset) per block of 32 inputs [N, K / 32, 2] -> kernels_cpu.cpp's
+    int4 layout [N / 4, K / 64, 160] uint8: channels in groups of NATIVE_GROUP, and per group and 64 inputs each
+    channel's 32 bytes of codes (low nibbles inputs 0-31, high nibbles 32-63), then each channel's scales and
+    offsets of the two blocks as float16. N must be a multiple of NATIVE_GROUP and K of 64."""
+    n, k = codes.shape
+    pairs = codes.view(n, k // 64, 2, 32)
+    code_bytes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # [N, K / 64, 32]
+    scale_bytes = block_scales.half().contiguous().view(n, k // 64, 4).view(torch.uint8)  # [N, K / 64, 8]
+
+    def grouped(t: Tensor) -> Tensor:  # [N, K / 64, B] -> [N / 4, K / 64, 4 * B], the group's channels side by side
+        return (
+            t.reshape(n // NATIVE_GROUP, NATIVE_GROUP, k // 64, -1)
+            .transpose(1, 2)
+            .reshape(n // NATIVE_GROUP, k // 64, -1)
+        )
+
+    return torch.cat([grouped(code_bytes), grouped(scale_bytes)], -1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -260,10 +284,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("halves", None, persistent=False)
         self.register_buffer("group_scales", None, persistent=False)
         self.register_buffer("group_offsets", None, persistent=False)
-        # kernels_cpu.cpp's layout (products of up to NATIVE_ROWS rows): per 64 inputs, 32 bytes whose low nibbles
-        # are inputs 0-31 and high nibbles 32-63; a float16 scale and offset per block of 32 inputs [N, K / 32, 2].
-        self.register_buffer("native_codes", None, persistent=False)
-        self.register_buffer("native_scales", None, persistent=False)
+        # kernels_cpu.cpp's layout (products of up to NATIVE_ROWS rows; int4_native_layout)
+        self.register_buffer("native_packed", None, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
@@ -286,34 +308,31 @@ class Int4Linear(nn.Module):
             self.groupsize_tensor = torch.tensor(self.groupsize)
             half = self.in_features // 2
             self.halves = self.group_scales = self.group_offsets = None  # from an earlier choice of kernels
-            self.native_codes, self.native_scales = self.native_layout(codes)
-            if self.native_codes is None and self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
+            self.native_packed = self.native_layout(codes)
+            if self.native_packed is None and self.kernels.quant_matvec == "fused" and half % self.groupsize == 0:
                 self.halves = codes[:, :half] | codes[:, half:] << 4
                 self.group_scales = self.scales_and_zeros[..., 0].T.float().contiguous()
                 # (code - 8) * scale + zero, folded into one multiply-add per weight in forward
                 zeros = self.scales_and_zeros[..., 1].T.float()
                 self.group_offsets = (zeros - 8 * self.group_scales).contiguous()
 
-    def native_layout(self, codes: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        """codes [N, K] -> kernels_cpu.cpp's codes and scales, or (None, None) when the kernel is not chosen or not
-        built, K is not a multiple of 64, or a scale or offset does not fit float16."""
+    def native_layout(self, codes: Tensor) -> Tensor | None:
+        """codes [N, K] -> kernels_cpu.cpp's layout, with a float16 scale and offset per block of 32 inputs; None when
+        the kernel is not chosen or not built, K is not a multiple of 64, or a scale or offset does not fit float16.
+        (N is a multiple of 16, which ATen's CPU packing needs, and so of NATIVE_GROUP.)"""
         if self.kernels.int4_native is None or self.in_features % 64 or not native_kernels():
-            return None, None
-        n, k = codes.shape
-        pairs = codes.view(n, k // 64, 2, 32)
-        native_codes = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, k // 2).contiguous()
+            return None
         scales, zeros = self.scales_and_zeros.float().unbind(-1)  # [K / groupsize, N] each
-        per_block = torch.stack([scales, zeros - 8 * scales], -1).transpose(0, 1)  # [N, groups, 2]
-        native_scales = per_block.repeat_interleave(self.groupsize // 32, dim=1).half().contiguous()
-        if not native_scales.isfinite().all():
-            return None, None
-        return native_codes, native_scales
+        per_group = torch.stack([scales, zeros - 8 * scales], -1).transpose(0, 1)  # [N, groups, 2]
+        per_block = per_group.repeat_interleave(self.groupsize // 32, dim=1).half()
+        if not per_block.isfinite().all():
+            return None
+        return int4_native_layout(codes, per_block)
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
-        if self.native_codes is not None and x.numel() // self.in_features <= NATIVE_ROWS:
+        if self.native_packed is not None and x.numel() // self.in_features <= NATIVE_ROWS:
             isa = NATIVE_ISAS.index(self.kernels.int4_native)
-            x2d = x.reshape(-1, self.in_features).float()
-            y = torch.ops.gpt_fast.int4_linear(x2d, self.native_codes, self.native_scales, isa)
+            y = torch.ops.gpt_fast.int4_linear(x.reshape(-1, self.in_features).float(), self.native_packed, isa)
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         # fused_rows: the halves layout fuses one row only, which every step allows

@@ -12,8 +12,10 @@
 //   A block adds scale * d * dot(codes, activation codes) + offset * d * sum(activation codes): both terms see the
 //   same quantized activations, so the result is the exact weights times them (with the float sum of x instead,
 //   the rounding of x would meet the codes' positive weights, not the centred ones). Codes are unsigned, so they
-//   go straight into the unsigned operand. Layout (kernels.Int4Linear.prepare): per 64 inputs, 32 bytes whose
-//   low nibbles are inputs 0-31 and high nibbles inputs 32-63; scales and offsets [N, K / 32, 2].
+//   go straight into the unsigned operand. Layout (kernels.int4_native_layout): channels interleaved in groups of 4,
+//   so that a thread reads one stream of bytes, scales inline. Per group and 64 inputs (blocks 2s and 2s + 1),
+//   STEP_BYTES bytes: each channel's 32 bytes of codes (low nibbles inputs 0-31, high nibbles 32-63), then each
+//   channel's float16 scale and offset of block 2s, then of block 2s + 1.
 //
 // The ISA is an argument (kernels.py picks it from torch's CPU capability): 0 scalar reference, 1 AVX2,
 // 2 AVX2 with AVX-VNNI, 3 AVX-512BW, 4 AVX-512 with VNNI. Each row of x is computed by the same instructions in the
@@ -34,6 +36,9 @@ namespace {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t GROUP = 4;          // int4 channels interleaved (see the layout above)
+constexpr int64_t STEP_BYTES = 160;   // an int4 group's bytes per 64 inputs: 4 x 32 of codes, 4 x 4 float16
+constexpr int64_t SCALES_AT = 128;    // where a step's scales and offsets start
 // The weights stream from memory once per call: each load also asks for the bytes this far ahead, which the
 // hardware prefetcher alone fetches too late (prefetching past the end is harmless: no fault, no use).
 constexpr int64_t PREFETCH_BYTES = 4096;
@@ -43,8 +48,12 @@ struct Activations {
   const int8_t* codes;  // [M, K]
   const float* scales;  // [M, K / 32, 8]: each block's scale 8 times, one 256-bit vector (two blocks fill 512 bits)
   const float* sums;    // [M, K / 32, 2]: 0, then the block's scale times the sum of its codes: int4's offsets
-                        // multiply the second of each pair, which lines it up with a channel's (scale, offset) pairs
+                        // multiply the second of each pair, which lines it up with a step's (scale, offset) pairs
   int64_t K, blocks;
+
+  Activations from_row(int64_t m) const {
+    return {codes + m * K, scales + m * blocks * 8, sums + m * blocks * 2, K, blocks};
+  }
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scales, float* sums) {
@@ -64,42 +73,42 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* s
   }
 }
 
-// Each function computes C output channels (weight rows w, w + row_bytes, ...) for M activation rows, into
-// out[c * M + m]. A channel's sum over blocks runs in one accumulator per row, in block order, whatever C and M are:
-// C only lets several independent sums hide the latency of the multiply-adds when M is small.
+// The int8 functions compute one output channel (the weight row w) for M activation rows, into out[m]; the int4 ones
+// a group of 4 channels (its interleaved bytes) for R rows, into out[c * MAX_ROWS + r]. A channel's sum over blocks
+// runs in one accumulator per row, in block order, whatever M and R are.
 
 // ---------------------------------------------------------------- the scalar references
 
-template <int M, int C>
+template <int M>
 void int8_scalar(const int8_t* w, const Activations& x, float* out) {
-  for (int c = 0; c < C; c++) {
-    for (int m = 0; m < M; m++) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < x.blocks; b++) {
-        int32_t dot = 0;
-        for (int64_t j = 0; j < BLOCK; j++)
-          dot += int32_t(w[c * x.K + b * BLOCK + j]) * int32_t(x.codes[m * x.K + b * BLOCK + j]);
-        acc += float(dot) * x.scales[(m * x.blocks + b) * 8];
-      }
-      out[c * M + m] = acc;
+  for (int m = 0; m < M; m++) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < x.blocks; b++) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < BLOCK; j++) dot += int32_t(w[b * BLOCK + j]) * int32_t(x.codes[m * x.K + b * BLOCK + j]);
+      acc += float(dot) * x.scales[(m * x.blocks + b) * 8];
     }
+    out[m] = acc;
   }
 }
 
-template <int M, int C>
-void int4_scalar(const uint8_t* w, const c10::Half* sz, const Activations& x, float* out) {
-  for (int c = 0; c < C; c++) {
-    for (int m = 0; m < M; m++) {
-      float acc = 0.f;
+template <int R>
+void int4_scalar(const uint8_t* group, const Activations& x, float* out) {
+  for (int c = 0; c < GROUP; c++) {
+    for (int r = 0; r < R; r++) {
+      float acc = 0.f, offsets = 0.f;
       for (int64_t b = 0; b < x.blocks; b++) {
-        const uint8_t* bytes = w + c * x.K / 2 + (b / 2) * BLOCK;  // 64 inputs: low nibbles first, then high
+        const uint8_t* step = group + (b / 2) * STEP_BYTES;
         int32_t dot = 0;
-        for (int64_t j = 0; j < BLOCK; j++)
-          dot += int32_t(b % 2 ? bytes[j] >> 4 : bytes[j] & 15) * int32_t(x.codes[m * x.K + b * BLOCK + j]);
-        const float scale = sz[(c * x.blocks + b) * 2], offset = sz[(c * x.blocks + b) * 2 + 1];
-        acc += float(dot) * (scale * x.scales[(m * x.blocks + b) * 8]) + offset * x.sums[(m * x.blocks + b) * 2 + 1];
+        for (int64_t j = 0; j < BLOCK; j++) {
+          const uint8_t byte = step[c * BLOCK + j];
+          dot += int32_t(b % 2 ? byte >> 4 : byte & 15) * int32_t(x.codes[r * x.K + b * BLOCK + j]);
+        }
+        const c10::Half* so = reinterpret_cast<const c10::Half*>(step + SCALES_AT) + c * 4 + (b % 2) * 2;
+        acc += float(dot) * (float(so[0]) * x.scales[(r * x.blocks + b) * 8]);
+        offsets += float(so[1]) * x.sums[(r * x.blocks + b) * 2 + 1];
       }
-      out[c * M + m] = acc;
+      out[c * MAX_ROWS + r] = acc + offsets;
     }
   }
 }
@@ -125,29 +134,22 @@ AVX2 inline __m256i dot32(__m256i u, __m256i s) {
   }
 }
 
-template <int M, int C, bool VNNI>
+template <int M, bool VNNI>
 AVX2 void int8_avx2(const int8_t* w, const Activations& x, float* out) {
-  __m256 acc[C][M];
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++) acc[c][m] = _mm256_setzero_ps();
+  __m256 acc[M];
+  for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; b++) {
-    __m256i magnitude[C], sign[C];
-    for (int c = 0; c < C; c++) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + c * x.K + b * BLOCK + PREFETCH_BYTES), _MM_HINT_T0);
-      sign[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * x.K + b * BLOCK));
-      magnitude[c] = _mm256_sign_epi8(sign[c], sign[c]);
-    }
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * BLOCK + PREFETCH_BYTES), _MM_HINT_T0);
+    const __m256i sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK));
+    const __m256i magnitude = _mm256_sign_epi8(sign, sign);
     for (int m = 0; m < M; m++) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + m * x.K + b * BLOCK));
       const __m256 scale = _mm256_loadu_ps(x.scales + (m * x.blocks + b) * 8);
-      for (int c = 0; c < C; c++) {
-        const __m256i dot = dot32<VNNI>(magnitude[c], _mm256_sign_epi8(a, sign[c]));
-        acc[c][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][m]);
-      }
+      const __m256i dot = dot32<VNNI>(magnitude, _mm256_sign_epi8(a, sign));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
     }
   }
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++) out[c * M + m] = sum8(acc[c][m]);
+  for (int m = 0; m < M; m++) out[m] = sum8(acc[m]);
 }
 
 // The int4 codes of 64 inputs: lo holds inputs 0-31, hi inputs 32-63.
@@ -157,55 +159,49 @@ AVX2 inline void unpack64(const uint8_t* bytes, __m256i& lo, __m256i& hi) {
   hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
 }
 
-// sum over blocks of offset * (scale times the sum of the activation codes), from a channel's (scale, offset) pairs
-// and a row's (0, sum) pairs: 4 blocks a step, then 2.
-AVX2 inline float offset_terms(const c10::Half* sz, const float* sums, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 4 <= blocks; b += 4) {
-    const __m256 pairs = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + b * 2)));
-    acc = _mm256_fmadd_ps(pairs, _mm256_loadu_ps(sums + b * 2), acc);
+// Each step: channels 0-1's (scale, offset) pairs in one vector of 8 floats, channels 2-3's in another. The offsets
+// accumulate in offsets[pair][r] against a row's (0, sum, 0, sum) of the two blocks; the scale lanes meet the zeros.
+template <int R, bool VNNI>
+AVX2 void int4_avx2(const uint8_t* group, const Activations& x, float* out) {
+  __m256 acc[GROUP][R], offsets[2][R];
+  for (int r = 0; r < R; r++) {
+    for (int c = 0; c < GROUP; c++) acc[c][r] = _mm256_setzero_ps();
+    offsets[0][r] = offsets[1][r] = _mm256_setzero_ps();
   }
-  __m128 tail = _mm_setzero_ps();
-  if (b < blocks) {  // blocks is even (K a multiple of 64): two left
-    const __m128 pairs = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sz + b * 2)));
-    tail = _mm_mul_ps(pairs, _mm_loadu_ps(sums + b * 2));
-  }
-  return sum8(acc) + sum8(_mm256_castps128_ps256(tail));
-}
-
-template <int M, int C, bool VNNI>
-AVX2 void int4_avx2(const uint8_t* w, const c10::Half* sz, const Activations& x, float* out) {
-  __m256 acc[C][M];
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++) acc[c][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; b += 2) {  // two blocks a step: 32 bytes of codes
-    __m256i codes[C][2];
-    __m256 scale[C][2];
-    for (int c = 0; c < C; c++) {
-      const uint8_t* bytes = w + c * x.K / 2 + b * BLOCK / 2;
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES), _MM_HINT_T0);
-      unpack64(bytes, codes[c][0], codes[c][1]);
-      // scale, offset of block b, then of block b + 1
-      const __m128 so = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sz + (c * x.blocks + b) * 2)));
-      scale[c][0] = _mm256_broadcastss_ps(so);
-      scale[c][1] = _mm256_broadcastss_ps(_mm_movehl_ps(so, so));
+  for (int64_t b = 0; b < x.blocks; b += 2) {
+    const uint8_t* step = group + (b / 2) * STEP_BYTES;
+    for (int64_t ahead = 0; ahead < STEP_BYTES; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    __m256 so[2];
+    for (int pair = 0; pair < 2; pair++)
+      so[pair] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + SCALES_AT + pair * 16)));
+    for (int r = 0; r < R; r++) {
+      const __m256 sums = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x.sums + (r * x.blocks + b) * 2));
+      for (int pair = 0; pair < 2; pair++) offsets[pair][r] = _mm256_fmadd_ps(so[pair], sums, offsets[pair][r]);
     }
-    for (int m = 0; m < M; m++) {
-      for (int h = 0; h < 2; h++) {
-        const int64_t block = m * x.blocks + b + h;
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + block * BLOCK));
-        const __m256 d = _mm256_loadu_ps(x.scales + block * 8);
-        for (int c = 0; c < C; c++) {
-          const __m256 dot = _mm256_cvtepi32_ps(dot32<VNNI>(codes[c][h], a));
-          acc[c][m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, scale[c][h]), acc[c][m]);
+    for (int c = 0; c < GROUP; c++) {
+      __m256i codes[2];
+      unpack64(step + c * BLOCK, codes[0], codes[1]);
+      for (int h = 0; h < 2; h++) {  // block b + h: its scale is lane (c % 2) * 4 + h * 2 of so[c / 2]
+        const __m256 scale = _mm256_permutevar8x32_ps(so[c / 2], _mm256_set1_epi32((c % 2) * 4 + h * 2));
+        for (int r = 0; r < R; r++) {
+          const int64_t block = r * x.blocks + b + h;
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + block * BLOCK));
+          const __m256 d = _mm256_loadu_ps(x.scales + block * 8);
+          const __m256 dot = _mm256_cvtepi32_ps(dot32<VNNI>(codes[h], a));
+          acc[c][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, scale), acc[c][r]);
         }
       }
     }
   }
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++)
-      out[c * M + m] = sum8(acc[c][m]) + offset_terms(sz + c * x.blocks * 2, x.sums + m * x.blocks * 2, x.blocks);
+  for (int r = 0; r < R; r++) {
+    float lanes[2][8];
+    for (int pair = 0; pair < 2; pair++) _mm256_storeu_ps(lanes[pair], offsets[pair][r]);
+    for (int c = 0; c < GROUP; c++) {
+      const float* own = lanes[c / 2] + (c % 2) * 4;  // (scale * 0, offset * sum) of block b, then of block b + 1
+      out[c * MAX_ROWS + r] = sum8(acc[c][r]) + (own[1] + own[3]);
+    }
+  }
 }
 
 // ---------------------------------------------------------------- AVX-512 (and VNNI)
@@ -222,155 +218,145 @@ AVX512 inline __m512i dot64(__m512i u, __m512i s) {
   }
 }
 
-template <int M, int C, bool VNNI>
+template <int M, bool VNNI>
 AVX512 void int8_avx512(const int8_t* w, const Activations& x, float* out) {
-  __m512 acc[C][M];
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++) acc[c][m] = _mm512_setzero_ps();
+  __m512 acc[M];
+  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 1 < x.blocks; b += 2) {
-    __m512i magnitude[C];
-    __mmask64 negative[C];
-    for (int c = 0; c < C; c++) {
-      const int8_t* bytes = w + c * x.K + b * BLOCK;
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES + 63), _MM_HINT_T0);
-      const __m512i wv = _mm512_loadu_si512(bytes);
-      magnitude[c] = _mm512_abs_epi8(wv);
-      negative[c] = _mm512_movepi8_mask(wv);
-    }
+    const int8_t* bytes = w + b * BLOCK;
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES + 63), _MM_HINT_T0);
+    const __m512i wv = _mm512_loadu_si512(bytes);
+    const __m512i magnitude = _mm512_abs_epi8(wv);
+    const __mmask64 negative = _mm512_movepi8_mask(wv);
     for (int m = 0; m < M; m++) {
       const __m512i a = _mm512_loadu_si512(x.codes + m * x.K + b * BLOCK);
       const __m512 scale = _mm512_loadu_ps(x.scales + (m * x.blocks + b) * 8);
-      for (int c = 0; c < C; c++) {
-        const __m512i signed_a = _mm512_mask_sub_epi8(a, negative[c], _mm512_setzero_si512(), a);
-        acc[c][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<VNNI>(magnitude[c], signed_a)), scale, acc[c][m]);
-      }
+      const __m512i signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<VNNI>(magnitude, signed_a)), scale, acc[m]);
     }
   }
-  for (int c = 0; c < C; c++) {
-    for (int m = 0; m < M; m++) {
-      float tail = 0.f;  // an odd last block, as AVX2 computes it
-      if (b < x.blocks) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * x.K + b * BLOCK));
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + m * x.K + b * BLOCK));
-        const __m256 dot = _mm256_cvtepi32_ps(dot32<false>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(a, wv)));
-        tail = sum8(_mm256_mul_ps(dot, _mm256_loadu_ps(x.scales + (m * x.blocks + b) * 8)));
-      }
-      out[c * M + m] = _mm512_reduce_add_ps(acc[c][m]) + tail;
+  for (int m = 0; m < M; m++) {
+    float tail = 0.f;  // an odd last block, as AVX2 computes it
+    if (b < x.blocks) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK));
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + m * x.K + b * BLOCK));
+      const __m256 dot = _mm256_cvtepi32_ps(dot32<false>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(a, wv)));
+      tail = sum8(_mm256_mul_ps(dot, _mm256_loadu_ps(x.scales + (m * x.blocks + b) * 8)));
     }
+    out[m] = _mm512_reduce_add_ps(acc[m]) + tail;
   }
 }
 
-template <int M, int C, bool VNNI>
-AVX512 void int4_avx512(const uint8_t* w, const c10::Half* sz, const Activations& x, float* out) {
-  __m512 acc[C][M];
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++) acc[c][m] = _mm512_setzero_ps();
-  // lanes 0-7 take block b's scale, lanes 8-15 block b + 1's (elements 0 and 2 of scale, offset, scale, offset)
-  const __m512i spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+// Each step: the 4 channels' (scale, offset) pairs of both blocks in one vector of 16 floats (channel c at lanes
+// 4c..4c+3); the offsets accumulate against a row's (0, sum, 0, sum) of the two blocks, 4 times over.
+template <int R, bool VNNI>
+AVX512 void int4_avx512(const uint8_t* group, const Activations& x, float* out) {
+  __m512 acc[GROUP][R], offsets[R];
+  for (int r = 0; r < R; r++) {
+    for (int c = 0; c < GROUP; c++) acc[c][r] = _mm512_setzero_ps();
+    offsets[r] = _mm512_setzero_ps();
+  }
   // the 32 bytes in both halves, shifted by 0 in the low half (inputs 0-31) and by 4 in the high one (32-63)
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < x.blocks; b += 2) {
-    __m512i codes[C];
-    __m512 scale[C];
-    for (int c = 0; c < C; c++) {
-      const uint8_t* bytes = w + c * x.K / 2 + b * BLOCK / 2;
-      _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES), _MM_HINT_T0);
-      const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+    const uint8_t* step = group + (b / 2) * STEP_BYTES;
+    for (int64_t ahead = 0; ahead < STEP_BYTES; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    const __m512 so = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + SCALES_AT)));
+    __m512i codes[GROUP];
+    __m512 scale[GROUP];
+    for (int c = 0; c < GROUP; c++) {
+      const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * BLOCK)));
       codes[c] = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), low4);
-      const __m128 so = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sz + (c * x.blocks + b) * 2)));
-      scale[c] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(so));
+      // lanes 0-7: block b's scale (lane 4c of so), lanes 8-15: block b + 1's (lane 4c + 2)
+      scale[c] = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(4 * c), _mm256_set1_epi32(4 * c + 2), 1), so);
     }
-    for (int m = 0; m < M; m++) {
-      const int64_t block = m * x.blocks + b;
+    for (int r = 0; r < R; r++) {
+      const int64_t block = r * x.blocks + b;
       const __m512i a = _mm512_loadu_si512(x.codes + block * BLOCK);
       const __m512 d = _mm512_loadu_ps(x.scales + block * 8);
-      for (int c = 0; c < C; c++) {
+      offsets[r] = _mm512_fmadd_ps(so, _mm512_broadcast_f32x4(_mm_loadu_ps(x.sums + block * 2)), offsets[r]);
+      for (int c = 0; c < GROUP; c++) {
         const __m512 dot = _mm512_cvtepi32_ps(dot64<VNNI>(codes[c], a));
-        acc[c][m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, scale[c]), acc[c][m]);
+        acc[c][r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, scale[c]), acc[c][r]);
       }
     }
   }
-  for (int c = 0; c < C; c++)
-    for (int m = 0; m < M; m++)
-      out[c * M + m] =
-          _mm512_reduce_add_ps(acc[c][m]) + offset_terms(sz + c * x.blocks * 2, x.sums + m * x.blocks * 2, x.blocks);
+  for (int r = 0; r < R; r++) {
+    float lanes[16];
+    _mm512_storeu_ps(lanes, offsets[r]);
+    for (int c = 0; c < GROUP; c++)  // (scale * 0, offset * sum) of block b, then of block b + 1
+      out[c * MAX_ROWS + r] = _mm512_reduce_add_ps(acc[c][r]) + (lanes[4 * c + 1] + lanes[4 * c + 3]);
+  }
 }
 
 // ---------------------------------------------------------------- dispatch and the operators
 
-// The weights of C channels from channel n on, whichever format: int8 rows, or int4 codes and their scales.
-struct Weights {
-  const int8_t* int8 = nullptr;
-  const uint8_t* int4 = nullptr;
-  const c10::Half* int4_scales = nullptr;
-};
-using RowsFn = void (*)(const Weights&, int64_t n, const Activations&, float*);
+// A kernel computes one unit of output channels (an int8 channel, an int4 group) for a chunk of rows.
+using UnitFn = void (*)(const uint8_t* weights, const Activations&, float* out);
 
-template <int M, int C, int ISA>
-void int8_rows(const Weights& w, int64_t n, const Activations& x, float* out) {
-  const int8_t* rows = w.int8 + n * x.K;
-  if constexpr (ISA == 1 || ISA == 2) int8_avx2<M, C, ISA == 2>(rows, x, out);
-  else if constexpr (ISA == 3 || ISA == 4) int8_avx512<M, C, ISA == 4>(rows, x, out);
-  else int8_scalar<M, C>(rows, x, out);
+template <int M, int ISA>
+void int8_unit(const uint8_t* w, const Activations& x, float* out) {
+  const int8_t* row = reinterpret_cast<const int8_t*>(w);
+  if constexpr (ISA == 1 || ISA == 2) int8_avx2<M, ISA == 2>(row, x, out);
+  else if constexpr (ISA == 3 || ISA == 4) int8_avx512<M, ISA == 4>(row, x, out);
+  else int8_scalar<M>(row, x, out);
 }
 
-template <int M, int C, int ISA>
-void int4_rows(const Weights& w, int64_t n, const Activations& x, float* out) {
-  const uint8_t* rows = w.int4 + n * x.K / 2;
-  const c10::Half* sz = w.int4_scales + n * x.blocks * 2;
-  if constexpr (ISA == 1 || ISA == 2) int4_avx2<M, C, ISA == 2>(rows, sz, x, out);
-  else if constexpr (ISA == 3 || ISA == 4) int4_avx512<M, C, ISA == 4>(rows, sz, x, out);
-  else int4_scalar<M, C>(rows, sz, x, out);
-}
-
-// Channels a call computes. int4, 4 for one row and 2 for two: independent sums that hide the latency of the
-// multiply-adds (M rows give M of them already). int8, one: four int8 rows read at once stream from memory at about
-// half the speed of one (four streams of K bytes each, too short for the prefetchers).
-constexpr int channels(bool int4, int M) { return !int4 ? 1 : M == 1 ? 4 : M == 2 ? 2 : 1; }
-
-template <bool INT4, int M, int C>
-RowsFn rows_for(int64_t isa) {
-  switch (isa) {
-    case 1: return INT4 ? int4_rows<M, C, 1> : int8_rows<M, C, 1>;
-    case 2: return INT4 ? int4_rows<M, C, 2> : int8_rows<M, C, 2>;
-    case 3: return INT4 ? int4_rows<M, C, 3> : int8_rows<M, C, 3>;
-    case 4: return INT4 ? int4_rows<M, C, 4> : int8_rows<M, C, 4>;
-    default: return INT4 ? int4_rows<M, C, 0> : int8_rows<M, C, 0>;
-  }
+template <int R, int ISA>
+void int4_unit(const uint8_t* group, const Activations& x, float* out) {
+  if constexpr (ISA == 1 || ISA == 2) int4_avx2<R, ISA == 2>(group, x, out);
+  else if constexpr (ISA == 3 || ISA == 4) int4_avx512<R, ISA == 4>(group, x, out);
+  else int4_scalar<R>(group, x, out);
 }
 
 struct Kernel {
-  RowsFn rows, tail;  // tail: one channel at a time, for the channels left over when C does not divide N
-  int channels;
+  UnitFn chunk, last;  // chunk: `rows` rows at once; last: the one row left over when rows does not divide M
+  int64_t channels, rows, unit_bytes;
 };
 
-template <bool INT4, int M>
-Kernel kernel_for(int64_t isa) {
-  return {rows_for<INT4, M, channels(INT4, M)>(isa), rows_for<INT4, M, 1>(isa), channels(INT4, M)};
-}
-
-template <bool INT4>
-Kernel pick(int64_t rows, int64_t isa) {
-  switch (rows) {
-    case 1: return kernel_for<INT4, 1>(isa);
-    case 2: return kernel_for<INT4, 2>(isa);
-    case 3: return kernel_for<INT4, 3>(isa);
-    case 4: return kernel_for<INT4, 4>(isa);
-    case 5: return kernel_for<INT4, 5>(isa);
-    case 6: return kernel_for<INT4, 6>(isa);
-    case 7: return kernel_for<INT4, 7>(isa);
-    default: return kernel_for<INT4, 8>(isa);
+// int8: one channel a unit, all M rows at once (the weight row is read once). Four int8 rows read at once stream
+// from memory at about half the speed of one (four streams of K bytes, too short for the prefetchers).
+template <int ISA>
+Kernel int8_kernel(int64_t M, int64_t K) {
+  switch (M) {
+    case 1: return {int8_unit<1, ISA>, nullptr, 1, 1, K};
+    case 2: return {int8_unit<2, ISA>, nullptr, 1, 2, K};
+    case 3: return {int8_unit<3, ISA>, nullptr, 1, 3, K};
+    case 4: return {int8_unit<4, ISA>, nullptr, 1, 4, K};
+    case 5: return {int8_unit<5, ISA>, nullptr, 1, 5, K};
+    case 6: return {int8_unit<6, ISA>, nullptr, 1, 6, K};
+    case 7: return {int8_unit<7, ISA>, nullptr, 1, 7, K};
+    default: return {int8_unit<8, ISA>, nullptr, 1, 8, K};
   }
 }
 
-// x [M, K] float32 -> [M, N] float32: quantizes x once, then splits the N channels among torch's threads.
+// int4: a group of 4 channels a unit (4 independent sums hide the multiply-adds' latency), rows two at a time: more
+// would not fit the registers; a group's bytes read again for the next two rows come from the cache.
+template <int ISA>
+Kernel int4_kernel(int64_t K) {
+  return {int4_unit<2, ISA>, int4_unit<1, ISA>, GROUP, 2, K / 64 * STEP_BYTES};
+}
+
+Kernel pick(bool int4, int64_t M, int64_t K, int64_t isa) {
+  switch (isa) {
+    case 1: return int4 ? int4_kernel<1>(K) : int8_kernel<1>(M, K);
+    case 2: return int4 ? int4_kernel<2>(K) : int8_kernel<2>(M, K);
+    case 3: return int4 ? int4_kernel<3>(K) : int8_kernel<3>(M, K);
+    case 4: return int4 ? int4_kernel<4>(K) : int8_kernel<4>(M, K);
+    default: return int4 ? int4_kernel<0>(K) : int8_kernel<0>(M, K);
+  }
+}
+
+// x [M, K] float32 -> [M, N] float32: quantizes x once, then splits the units of channels among torch's threads.
 // channel_scales: int8's per-channel scales, or nullptr (int4 scales each block inside the kernel).
-at::Tensor run(const at::Tensor& input, int64_t N, const Kernel& kernel, const Weights& w, const float* channel_scales) {
+at::Tensor run(const at::Tensor& input, int64_t N, const Kernel& kernel, const uint8_t* weights,
+               const float* channel_scales) {
   const at::Tensor x = input.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK;
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK, C = kernel.channels;
   // one allocation for the quantized activations: codes, then the replicated block scales, then the block sums
   at::Tensor buffer = at::empty({M * K + (M * blocks * 10) * 4}, x.options().dtype(at::kChar));
   int8_t* codes = buffer.data_ptr<int8_t>();
@@ -380,19 +366,17 @@ at::Tensor run(const at::Tensor& input, int64_t N, const Kernel& kernel, const W
   const Activations a{codes, scales, sums, K, blocks};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  const int64_t C = kernel.channels;
-  at::parallel_for(0, (N + C - 1) / C, 16, [&](int64_t begin, int64_t end) {
-    float column[4 * MAX_ROWS];
-    for (int64_t n = begin * C; n < std::min(end * C, N); n += C) {
-      const int64_t count = std::min(C, N - n);
-      if (count == C) {
-        kernel.rows(w, n, a, column);
-      } else {
-        for (int64_t c = 0; c < count; c++) kernel.tail(w, n + c, a, column + c * M);
-      }
-      for (int64_t c = 0; c < count; c++)
+  at::parallel_for(0, N / C, 16, [&](int64_t begin, int64_t end) {
+    float column[GROUP * MAX_ROWS];  // column[c * MAX_ROWS + m]: the unit's channel c, row m
+    for (int64_t unit = begin; unit < end; unit++) {
+      const uint8_t* w = weights + unit * kernel.unit_bytes;
+      for (int64_t m = 0; m < M; m += kernel.rows)
+        (M - m >= kernel.rows ? kernel.chunk : kernel.last)(w, a.from_row(m), column + m);
+      for (int64_t c = 0; c < C; c++) {
+        const int64_t n = unit * C + c;
         for (int64_t m = 0; m < M; m++)
-          out[m * N + n + c] = channel_scales ? column[c * M + m] * channel_scales[n + c] : column[c * M + m];
+          out[m * N + n] = channel_scales ? column[c * MAX_ROWS + m] * channel_scales[n] : column[c * MAX_ROWS + m];
+      }
     }
   });
   return y;
@@ -413,31 +397,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
               "int8_linear: weight must be contiguous int8 [N, K]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0) && scales.is_contiguous(),
               "int8_linear: scales must be float32 [N]");
-  Weights w;
-  w.int8 = weight.data_ptr<int8_t>();
-  return run(x, weight.size(0), pick<false>(x.size(0), isa), w, scales.data_ptr<float>());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>());
+  return run(x, weight.size(0), pick(false, x.size(0), x.size(1), isa), w, scales.data_ptr<float>());
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t isa) {
-  // x [M, K] float32, codes [N, K / 2] uint8 (this file's layout), scales [N, K / 32, 2] float16 -> [M, N] float32
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t isa) {
+  // x [M, K] float32, packed [N / 4, K / 64, STEP_BYTES] uint8 (the layout above) -> [M, N] float32
   check_activations(x, 2 * BLOCK, isa);
-  const int64_t N = codes.size(0), K = x.size(1);
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.size(1) * 2 == K && codes.is_contiguous(),
-              "int4_linear: codes must be contiguous uint8 [N, K / 2]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == N &&
-                  scales.size(1) == K / BLOCK && scales.size(2) == 2 && scales.is_contiguous(),
-              "int4_linear: scales must be contiguous float16 [N, K / 32, 2]");
-  Weights w;
-  w.int4 = codes.data_ptr<uint8_t>();
-  w.int4_scales = scales.data_ptr<c10::Half>();
-  return run(x, N, pick<true>(x.size(0), isa), w, nullptr);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(1) == K / 64 &&
+                  packed.size(2) == STEP_BYTES && packed.is_contiguous(),
+              "int4_linear: packed must be contiguous uint8 [N / 4, K / 64, ", STEP_BYTES, "]");
+  return run(x, packed.size(0) * GROUP, pick(true, x.size(0), K, isa), packed.data_ptr<uint8_t>(), nullptr);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(gpt_fast, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, int isa) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, int isa) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {

@@ -2,6 +2,7 @@
 
     python scripts/bench_server.py                          # SmolLM2, compiled, 1 / 4 / 16 clients
     python scripts/bench_server.py --clients 1,8 --max_tokens 64 --requests 1 --no-compile
+    python scripts/bench_server.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int8.pth --kernels fused
 
 C clients each send --requests chat requests in turn (different questions, greedy, --max_tokens at most), all
 starting together. Total tokens/s: completion tokens of all requests / wall time from the first request sent to
@@ -30,6 +31,7 @@ from chat import encode_conversation  # noqa: E402
 from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, resolve_checkpoint, user_errors  # noqa: E402
 from decode import Stream, compile_steps  # noqa: E402
 from generate import load_models  # noqa: E402
+from kernels import MATVECS  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -89,6 +91,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, float]:
         str(max(args.clients)),
         "--max_seq_length",
         str(args.max_seq_length),
+        "--kernels",
+        args.kernels,
     ] + ["--compile"] * args.compile
     process = subprocess.Popen(command, cwd=ROOT)  # its log (compiles, one line per request) goes to stderr
     while True:
@@ -171,6 +175,7 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag, for both sides")
     p.add_argument("--max_seq_length", type=int, default=2048, help="server.py's positions per slot")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -194,7 +199,7 @@ def main(argv=None):
         process.terminate()
         process.wait()
     cpu = torch.device("cpu")
-    model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile)
+    model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels)
     steps = compile_steps(cpu, args.compile)
     # One cache for all requests, as large as the longest needs, so that the compiled step never recompiles.
     longest = max(len(encode_conversation(tokenizer, [{"role": "user", "content": q}])) for q in QUESTIONS)

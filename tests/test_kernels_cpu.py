@@ -83,14 +83,11 @@ def test_float_outputs_within_rounding_of_the_reference(ops, k):
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
 
 
-def int4_weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random codes [N, K] in 0..15, their kernel layout (kernels.Int4Linear.native_layout's) and float16 scales and
-    offsets [N, K / 32, 2]."""
+def int4_weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes [N, K] in 0..15 and float16 scales and offsets [N, K / 32, 2]."""
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-    pairs = codes.view(n, k // 64, 2, 32)
-    layout = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, k // 2)
     scales = torch.stack([torch.rand(n, k // 32, generator=g) / 50, torch.randn(n, k // 32, generator=g) / 10], -1)
-    return codes, layout, scales.half()
+    return codes, scales.half()
 
 
 def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,25 +111,27 @@ def test_int4_integer_dot_products_are_exact(ops, k):
     g = torch.Generator().manual_seed(k)
     x = torch.randint(-127, 128, (8, k), generator=g).float()
     x[:, ::32] = 127.0
-    codes, layout, _ = int4_weights(37, k, g)
-    ones = torch.stack([torch.ones(37, k // 32), torch.zeros(37, k // 32)], -1).half()
-    offsets = torch.stack([torch.zeros(37, k // 32), torch.full((37, k // 32), 2.0)], -1).half()
+    codes, _ = int4_weights(36, k, g)
+    ones = kernels.int4_native_layout(codes, torch.stack([torch.ones(36, k // 32), torch.zeros(36, k // 32)], -1))
+    offsets = kernels.int4_native_layout(
+        codes, torch.stack([torch.zeros(36, k // 32), torch.full((36, k // 32), 2.0)], -1)
+    )
     expected, sums = x.long() @ codes.long().T, 2 * x.long().sum(-1, keepdim=True)
     for isa in runnable_isas():
         for m in range(1, 9):
-            y = ops.int4_linear(x[:m], layout, ones, isa)
+            y = ops.int4_linear(x[:m], ones, isa)
             assert torch.equal(y.long(), expected[:m]) and torch.equal(y, y.round()), kernels.NATIVE_ISAS[isa]
-        assert torch.equal(ops.int4_linear(x, layout, offsets, isa), sums.expand(8, 37).float())
+        assert torch.equal(ops.int4_linear(x, offsets, isa), sums.expand(8, 36).float())
 
 
 @pytest.mark.parametrize("k", [64, 576, 1088])
 def test_int4_float_outputs_within_rounding_of_the_reference(ops, k):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(8, k, generator=g)
-    codes, layout, scales = int4_weights(45, k, g)
+    codes, scales = int4_weights(44, k, g)
     y_ref, bound = int4_reference(x.numpy(), codes.numpy(), scales.float().numpy())
     for isa in runnable_isas():
-        y = ops.int4_linear(x, layout, scales, isa).double().numpy()
+        y = ops.int4_linear(x, kernels.int4_native_layout(codes, scales), isa).double().numpy()
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
 
 
@@ -143,7 +142,7 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
     if kind == "int8":
         weights = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g), torch.rand(64, generator=g)
     else:
-        weights = int4_weights(64, 576, g)[1:]
+        weights = (kernels.int4_native_layout(*int4_weights(64, 576, g)),)
     op = ops.int8_linear if kind == "int8" else ops.int4_linear
     compiled = torch.compile(lambda x, isa: op(x, *weights, isa), fullgraph=True, dynamic=False)
     for isa in runnable_isas():
@@ -191,7 +190,7 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     layer.prepare()
     x = torch.randn(8, 256)
     isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
-    assert torch.equal(layer(x), ops.int4_linear(x, layer.native_codes, layer.native_scales, isa))
+    assert torch.equal(layer(x), ops.int4_linear(x, layer.native_packed, isa))
     reference_y = x.double() @ qz.dequantize_int4(codes, scales, zeros, groupsize).double().T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
     assert ((layer(torch.cat([x] * 2))[:8] - reference_y).norm() / reference_y.norm()).item() < 1e-2  # ATen's
@@ -199,7 +198,7 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     odd.weight, odd.scales_and_zeros = layer.weight[:16, :48], layer.scales_and_zeros[:3, :16]
     odd.kernels = layer.kernels
     odd.prepare()
-    assert odd.native_codes is None
+    assert odd.native_packed is None and odd.packed is not None
 
 
 def test_without_a_compiler_the_pytorch_paths_run(tiny_checkpoint, tmp_path):
