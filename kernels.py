@@ -87,12 +87,27 @@ def native_kernels() -> bool:
             file=sys.stderr,
         )
         return False
-    # x [M, K] by int8 weights [N, K], or by int4 groups of channels [N / NATIVE_GROUP, K / 64, bytes] -> [M, N]
-    torch.library.register_fake("gpt_fast::int8_linear")(lambda x, w, scales, isa: x.new_empty(x.shape[0], w.shape[0]))
+    # x [M, K] by groups of channels [N / NATIVE_GROUP, K / 64, bytes] (int8/int4_native_layout) -> [M, N]
+    torch.library.register_fake("gpt_fast::int8_linear")(
+        lambda x, packed, scales, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
+    )
     torch.library.register_fake("gpt_fast::int4_linear")(
         lambda x, packed, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
     return True
+
+
+def interleaved(t: Tensor) -> Tensor:
+    """[N, K / 64, B] -> [N / NATIVE_GROUP, K / 64, NATIVE_GROUP * B]: a group's channels side by side per 64 inputs."""
+    n, steps = t.shape[:2]
+    return t.reshape(n // NATIVE_GROUP, NATIVE_GROUP, steps, -1).transpose(1, 2).reshape(n // NATIVE_GROUP, steps, -1)
+
+
+def int8_native_layout(weight: Tensor) -> Tensor:
+    """int8 weight [N, K] -> kernels_cpu.cpp's int8 layout [N / 4, K / 64, 256]: channels in groups of NATIVE_GROUP,
+    and per group and 64 inputs each channel's 64 codes. N must be a multiple of NATIVE_GROUP and K of 64."""
+    n, k = weight.shape
+    return interleaved(weight.reshape(n, k // 64, 64)).contiguous()
 
 
 def int4_native_layout(codes: Tensor, block_scales: Tensor) -> Tensor:
@@ -105,14 +120,7 @@ def int4_native_layout(codes: Tensor, block_scales: Tensor) -> Tensor:
     code_bytes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # [N, K / 64, 32]
     scale_bytes = block_scales.half().contiguous().view(n, k // 64, 4).view(torch.uint8)  # [N, K / 64, 8]
 
-    def grouped(t: Tensor) -> Tensor:  # [N, K / 64, B] -> [N / 4, K / 64, 4 * B], the group's channels side by side
-        return (
-            t.reshape(n // NATIVE_GROUP, NATIVE_GROUP, k // 64, -1)
-            .transpose(1, 2)
-            .reshape(n // NATIVE_GROUP, k // 64, -1)
-        )
-
-    return torch.cat([grouped(code_bytes), grouped(scale_bytes)], -1).contiguous()
+    return torch.cat([interleaved(code_bytes), interleaved(scale_bytes)], -1).contiguous()
 
 
 @dataclass(frozen=True)
@@ -232,21 +240,26 @@ class Int8Linear(nn.Module):
         # The scales as the CPU kernel takes them, made by prepare(): a buffer, not a cast in the compiled graph
         # (inductor's lowering of the kernel needs its scales realised).
         self.register_buffer("kernel_scales", None, persistent=False)
-        self.register_buffer("native_scales", None, persistent=False)  # float32, for kernels_cpu.cpp
+        # kernels_cpu.cpp's layout (int8_native_layout) and the scales as float32 it takes
+        self.register_buffer("native_packed", None, persistent=False)
+        self.register_buffer("native_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
         self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
-        # kernels_cpu.cpp's byte products need weights in [-127, 127] (ours are) and whole blocks of 32 inputs.
-        native = self.kernels.int8_native is not None and not self.weight.is_cuda and self.in_features % 32 == 0
-        native = native and native_kernels()  # loaded (built on first use), whoever made the choice
-        self.native_scales = self.scales.float() if native and int(self.weight.min()) > -128 else None
+        # kernels_cpu.cpp's byte products need weights in [-127, 127] (ours are), its layout whole groups of channels
+        # and of 64 inputs.
+        native = self.kernels.int8_native is not None and not self.weight.is_cuda
+        native = native and self.out_features % NATIVE_GROUP == 0 and self.in_features % 64 == 0
+        native = native and native_kernels() and int(self.weight.min()) > -128  # built on first use
+        self.native_packed = int8_native_layout(self.weight) if native else None
+        self.native_scales = self.scales.float() if native else None
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
-        if self.native_scales is not None and x.numel() // self.in_features <= NATIVE_ROWS:
+        if self.native_packed is not None and x.numel() // self.in_features <= NATIVE_ROWS:
             isa = NATIVE_ISAS.index(self.kernels.int8_native)
             y = torch.ops.gpt_fast.int8_linear(
-                x.reshape(-1, self.in_features).float(), self.weight, self.native_scales, isa
+                x.reshape(-1, self.in_features).float(), self.native_packed, self.native_scales, isa
             )
             y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias

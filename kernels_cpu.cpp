@@ -7,15 +7,19 @@
 // blocks is float.
 // - int8 weights: w = code * scale[n], codes in [-127, 127]. The unsigned-by-signed byte products of x86
 //   (vpmaddubsw, vpdpbusd) take |w| and the activation carrying w's sign (vpsignb): exact, because activation codes
-//   stay within [-127, 127] and the weights must too (kernels.Int8Linear checks that once).
+//   stay within [-127, 127] and the weights must too (kernels.Int8Linear checks that once). Layout
+//   (kernels.int8_native_layout): channels interleaved in groups of 4, per group and 64 inputs each channel's 64
+//   codes; the per-channel scales apart.
 // - int4 weights: w = code * scale + offset per block of 32 inputs, codes in [0, 15], scale and offset float16.
 //   A block adds scale * d * dot(codes, activation codes) + offset * d * sum(activation codes): both terms see the
 //   same quantized activations, so the result is the exact weights times them (with the float sum of x instead,
 //   the rounding of x would meet the codes' positive weights, not the centred ones). Codes are unsigned, so they
 //   go straight into the unsigned operand. Layout (kernels.int4_native_layout): channels interleaved in groups of 4,
-//   so that a thread reads one stream of bytes, scales inline. Per group and 64 inputs (blocks 2s and 2s + 1),
-//   STEP_BYTES bytes: each channel's 32 bytes of codes (low nibbles inputs 0-31, high nibbles 32-63), then each
-//   channel's float16 scale and offset of block 2s, then of block 2s + 1.
+//   scales inline. Per group and 64 inputs (blocks 2s and 2s + 1), INT4_STEP bytes: each channel's 32 bytes of codes
+//   (low nibbles inputs 0-31, high nibbles 32-63), then each channel's float16 scale and offset of block 2s, then of
+//   block 2s + 1.
+// Interleaved channels make one stream of bytes a thread (separate rows of K bytes each are streams too short for
+// the prefetchers) and let 4 independent sums share each load of the activations.
 //
 // The ISA is an argument (kernels.py picks it from torch's CPU capability): 0 scalar reference, 1 AVX2,
 // 2 AVX2 with AVX-VNNI, 3 AVX-512BW, 4 AVX-512 with VNNI. Each row of x is computed by the same instructions in the
@@ -36,9 +40,10 @@ namespace {
 
 constexpr int64_t BLOCK = 32;
 constexpr int64_t MAX_ROWS = 8;
-constexpr int64_t GROUP = 4;          // int4 channels interleaved (see the layout above)
-constexpr int64_t STEP_BYTES = 160;   // an int4 group's bytes per 64 inputs: 4 x 32 of codes, 4 x 4 float16
-constexpr int64_t SCALES_AT = 128;    // where a step's scales and offsets start
+constexpr int64_t GROUP = 4;         // channels interleaved (see the layouts above)
+constexpr int64_t INT8_STEP = 256;   // a group's bytes per 64 inputs: int8, 4 x 64 codes
+constexpr int64_t INT4_STEP = 160;   // int4: 4 x 32 bytes of codes, then 4 x 4 float16 from byte SCALES_AT
+constexpr int64_t SCALES_AT = 128;
 // The weights stream from memory once per call: each load also asks for the bytes this far ahead, which the
 // hardware prefetcher alone fetches too late (prefetching past the end is harmless: no fault, no use).
 constexpr int64_t PREFETCH_BYTES = 4096;
@@ -73,22 +78,24 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* s
   }
 }
 
-// The int8 functions compute one output channel (the weight row w) for M activation rows, into out[m]; the int4 ones
-// a group of 4 channels (its interleaved bytes) for R rows, into out[c * MAX_ROWS + r]. A channel's sum over blocks
-// runs in one accumulator per row, in block order, whatever M and R are.
+// Each function computes a group of 4 channels (its interleaved bytes) for R activation rows, into
+// out[c * MAX_ROWS + r]. A channel's sum over blocks runs in one accumulator per row, in block order, whatever R is.
 
 // ---------------------------------------------------------------- the scalar references
 
-template <int M>
-void int8_scalar(const int8_t* w, const Activations& x, float* out) {
-  for (int m = 0; m < M; m++) {
-    float acc = 0.f;
-    for (int64_t b = 0; b < x.blocks; b++) {
-      int32_t dot = 0;
-      for (int64_t j = 0; j < BLOCK; j++) dot += int32_t(w[b * BLOCK + j]) * int32_t(x.codes[m * x.K + b * BLOCK + j]);
-      acc += float(dot) * x.scales[(m * x.blocks + b) * 8];
+template <int R>
+void int8_scalar(const int8_t* group, const Activations& x, float* out) {
+  for (int c = 0; c < GROUP; c++) {
+    for (int r = 0; r < R; r++) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < x.blocks; b++) {
+        const int8_t* codes = group + (b / 2) * INT8_STEP + c * 2 * BLOCK + (b % 2) * BLOCK;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < BLOCK; j++) dot += int32_t(codes[j]) * int32_t(x.codes[r * x.K + b * BLOCK + j]);
+        acc += float(dot) * x.scales[(r * x.blocks + b) * 8];
+      }
+      out[c * MAX_ROWS + r] = acc;
     }
-    out[m] = acc;
   }
 }
 
@@ -98,7 +105,7 @@ void int4_scalar(const uint8_t* group, const Activations& x, float* out) {
     for (int r = 0; r < R; r++) {
       float acc = 0.f, offsets = 0.f;
       for (int64_t b = 0; b < x.blocks; b++) {
-        const uint8_t* step = group + (b / 2) * STEP_BYTES;
+        const uint8_t* step = group + (b / 2) * INT4_STEP;
         int32_t dot = 0;
         for (int64_t j = 0; j < BLOCK; j++) {
           const uint8_t byte = step[c * BLOCK + j];
@@ -134,22 +141,34 @@ AVX2 inline __m256i dot32(__m256i u, __m256i s) {
   }
 }
 
-template <int M, bool VNNI>
-AVX2 void int8_avx2(const int8_t* w, const Activations& x, float* out) {
-  __m256 acc[M];
-  for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < x.blocks; b++) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + b * BLOCK + PREFETCH_BYTES), _MM_HINT_T0);
-    const __m256i sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK));
-    const __m256i magnitude = _mm256_sign_epi8(sign, sign);
-    for (int m = 0; m < M; m++) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + m * x.K + b * BLOCK));
-      const __m256 scale = _mm256_loadu_ps(x.scales + (m * x.blocks + b) * 8);
-      const __m256i dot = dot32<VNNI>(magnitude, _mm256_sign_epi8(a, sign));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+template <int R, bool VNNI>
+AVX2 void int8_avx2(const int8_t* group, const Activations& x, float* out) {
+  __m256 acc[GROUP][R];
+  for (int c = 0; c < GROUP; c++)
+    for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; b += 2) {
+    const int8_t* step = group + (b / 2) * INT8_STEP;
+    for (int64_t ahead = 0; ahead < INT8_STEP; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    for (int h = 0; h < 2; h++) {  // block b + h: bytes 32h.. of each channel's 64
+      __m256i sign[GROUP], magnitude[GROUP];
+      for (int c = 0; c < GROUP; c++) {
+        sign[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * 2 * BLOCK + h * BLOCK));
+        magnitude[c] = _mm256_sign_epi8(sign[c], sign[c]);
+      }
+      for (int r = 0; r < R; r++) {
+        const int64_t block = r * x.blocks + b + h;
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + block * BLOCK));
+        const __m256 scale = _mm256_loadu_ps(x.scales + block * 8);
+        for (int c = 0; c < GROUP; c++) {
+          const __m256i dot = dot32<VNNI>(magnitude[c], _mm256_sign_epi8(a, sign[c]));
+          acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][r]);
+        }
+      }
     }
   }
-  for (int m = 0; m < M; m++) out[m] = sum8(acc[m]);
+  for (int c = 0; c < GROUP; c++)
+    for (int r = 0; r < R; r++) out[c * MAX_ROWS + r] = sum8(acc[c][r]);
 }
 
 // The int4 codes of 64 inputs: lo holds inputs 0-31, hi inputs 32-63.
@@ -169,8 +188,8 @@ AVX2 void int4_avx2(const uint8_t* group, const Activations& x, float* out) {
     offsets[0][r] = offsets[1][r] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < x.blocks; b += 2) {
-    const uint8_t* step = group + (b / 2) * STEP_BYTES;
-    for (int64_t ahead = 0; ahead < STEP_BYTES; ahead += 64)
+    const uint8_t* step = group + (b / 2) * INT4_STEP;
+    for (int64_t ahead = 0; ahead < INT4_STEP; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
     __m256 so[2];
     for (int pair = 0; pair < 2; pair++)
@@ -218,35 +237,34 @@ AVX512 inline __m512i dot64(__m512i u, __m512i s) {
   }
 }
 
-template <int M, bool VNNI>
-AVX512 void int8_avx512(const int8_t* w, const Activations& x, float* out) {
-  __m512 acc[M];
-  for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < x.blocks; b += 2) {
-    const int8_t* bytes = w + b * BLOCK;
-    _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bytes + PREFETCH_BYTES + 63), _MM_HINT_T0);
-    const __m512i wv = _mm512_loadu_si512(bytes);
-    const __m512i magnitude = _mm512_abs_epi8(wv);
-    const __mmask64 negative = _mm512_movepi8_mask(wv);
-    for (int m = 0; m < M; m++) {
-      const __m512i a = _mm512_loadu_si512(x.codes + m * x.K + b * BLOCK);
-      const __m512 scale = _mm512_loadu_ps(x.scales + (m * x.blocks + b) * 8);
-      const __m512i signed_a = _mm512_mask_sub_epi8(a, negative, _mm512_setzero_si512(), a);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<VNNI>(magnitude, signed_a)), scale, acc[m]);
+template <int R, bool VNNI>
+AVX512 void int8_avx512(const int8_t* group, const Activations& x, float* out) {
+  __m512 acc[GROUP][R];
+  for (int c = 0; c < GROUP; c++)
+    for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; b += 2) {
+    const int8_t* step = group + (b / 2) * INT8_STEP;
+    for (int64_t ahead = 0; ahead < INT8_STEP; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    __m512i magnitude[GROUP];
+    __mmask64 negative[GROUP];
+    for (int c = 0; c < GROUP; c++) {
+      const __m512i wv = _mm512_loadu_si512(step + c * 2 * BLOCK);
+      magnitude[c] = _mm512_abs_epi8(wv);
+      negative[c] = _mm512_movepi8_mask(wv);
+    }
+    for (int r = 0; r < R; r++) {
+      const int64_t block = r * x.blocks + b;
+      const __m512i a = _mm512_loadu_si512(x.codes + block * BLOCK);
+      const __m512 scale = _mm512_loadu_ps(x.scales + block * 8);
+      for (int c = 0; c < GROUP; c++) {
+        const __m512i signed_a = _mm512_mask_sub_epi8(a, negative[c], _mm512_setzero_si512(), a);
+        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<VNNI>(magnitude[c], signed_a)), scale, acc[c][r]);
+      }
     }
   }
-  for (int m = 0; m < M; m++) {
-    float tail = 0.f;  // an odd last block, as AVX2 computes it
-    if (b < x.blocks) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK));
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + m * x.K + b * BLOCK));
-      const __m256 dot = _mm256_cvtepi32_ps(dot32<false>(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(a, wv)));
-      tail = sum8(_mm256_mul_ps(dot, _mm256_loadu_ps(x.scales + (m * x.blocks + b) * 8)));
-    }
-    out[m] = _mm512_reduce_add_ps(acc[m]) + tail;
-  }
+  for (int c = 0; c < GROUP; c++)
+    for (int r = 0; r < R; r++) out[c * MAX_ROWS + r] = _mm512_reduce_add_ps(acc[c][r]);
 }
 
 // Each step: the 4 channels' (scale, offset) pairs of both blocks in one vector of 16 floats (channel c at lanes
@@ -262,8 +280,8 @@ AVX512 void int4_avx512(const uint8_t* group, const Activations& x, float* out) 
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < x.blocks; b += 2) {
-    const uint8_t* step = group + (b / 2) * STEP_BYTES;
-    for (int64_t ahead = 0; ahead < STEP_BYTES; ahead += 64)
+    const uint8_t* step = group + (b / 2) * INT4_STEP;
+    for (int64_t ahead = 0; ahead < INT4_STEP; ahead += 64)
       _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
     const __m512 so = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + SCALES_AT)));
     __m512i codes[GROUP];
@@ -295,68 +313,53 @@ AVX512 void int4_avx512(const uint8_t* group, const Activations& x, float* out) 
 
 // ---------------------------------------------------------------- dispatch and the operators
 
-// A kernel computes one unit of output channels (an int8 channel, an int4 group) for a chunk of rows.
-using UnitFn = void (*)(const uint8_t* weights, const Activations&, float* out);
+// A kernel computes a group of 4 channels for R rows (see above).
+using GroupFn = void (*)(const uint8_t* group, const Activations&, float* out);
 
-template <int M, int ISA>
-void int8_unit(const uint8_t* w, const Activations& x, float* out) {
-  const int8_t* row = reinterpret_cast<const int8_t*>(w);
-  if constexpr (ISA == 1 || ISA == 2) int8_avx2<M, ISA == 2>(row, x, out);
-  else if constexpr (ISA == 3 || ISA == 4) int8_avx512<M, ISA == 4>(row, x, out);
-  else int8_scalar<M>(row, x, out);
+template <int R, int ISA>
+void int8_group(const uint8_t* bytes, const Activations& x, float* out) {
+  const int8_t* group = reinterpret_cast<const int8_t*>(bytes);
+  if constexpr (ISA == 1 || ISA == 2) int8_avx2<R, ISA == 2>(group, x, out);
+  else if constexpr (ISA == 3 || ISA == 4) int8_avx512<R, ISA == 4>(group, x, out);
+  else int8_scalar<R>(group, x, out);
 }
 
 template <int R, int ISA>
-void int4_unit(const uint8_t* group, const Activations& x, float* out) {
+void int4_group(const uint8_t* group, const Activations& x, float* out) {
   if constexpr (ISA == 1 || ISA == 2) int4_avx2<R, ISA == 2>(group, x, out);
   else if constexpr (ISA == 3 || ISA == 4) int4_avx512<R, ISA == 4>(group, x, out);
   else int4_scalar<R>(group, x, out);
 }
 
+// Rows two at a time (more sums would not fit the registers), then the one left over; a group's bytes read again for
+// the next rows come from the cache.
+constexpr int64_t ROWS = 2;
 struct Kernel {
-  UnitFn chunk, last;  // chunk: `rows` rows at once; last: the one row left over when rows does not divide M
-  int64_t channels, rows, unit_bytes;
+  GroupFn rows, last;
+  int64_t step_bytes;
 };
 
-// int8: one channel a unit, all M rows at once (the weight row is read once). Four int8 rows read at once stream
-// from memory at about half the speed of one (four streams of K bytes, too short for the prefetchers).
 template <int ISA>
-Kernel int8_kernel(int64_t M, int64_t K) {
-  switch (M) {
-    case 1: return {int8_unit<1, ISA>, nullptr, 1, 1, K};
-    case 2: return {int8_unit<2, ISA>, nullptr, 1, 2, K};
-    case 3: return {int8_unit<3, ISA>, nullptr, 1, 3, K};
-    case 4: return {int8_unit<4, ISA>, nullptr, 1, 4, K};
-    case 5: return {int8_unit<5, ISA>, nullptr, 1, 5, K};
-    case 6: return {int8_unit<6, ISA>, nullptr, 1, 6, K};
-    case 7: return {int8_unit<7, ISA>, nullptr, 1, 7, K};
-    default: return {int8_unit<8, ISA>, nullptr, 1, 8, K};
-  }
+Kernel kernel_for(bool int4) {
+  return int4 ? Kernel{int4_group<ROWS, ISA>, int4_group<1, ISA>, INT4_STEP}
+              : Kernel{int8_group<ROWS, ISA>, int8_group<1, ISA>, INT8_STEP};
 }
 
-// int4: a group of 4 channels a unit (4 independent sums hide the multiply-adds' latency), rows two at a time: more
-// would not fit the registers; a group's bytes read again for the next two rows come from the cache.
-template <int ISA>
-Kernel int4_kernel(int64_t K) {
-  return {int4_unit<2, ISA>, int4_unit<1, ISA>, GROUP, 2, K / 64 * STEP_BYTES};
-}
-
-Kernel pick(bool int4, int64_t M, int64_t K, int64_t isa) {
+Kernel pick(bool int4, int64_t isa) {
   switch (isa) {
-    case 1: return int4 ? int4_kernel<1>(K) : int8_kernel<1>(M, K);
-    case 2: return int4 ? int4_kernel<2>(K) : int8_kernel<2>(M, K);
-    case 3: return int4 ? int4_kernel<3>(K) : int8_kernel<3>(M, K);
-    case 4: return int4 ? int4_kernel<4>(K) : int8_kernel<4>(M, K);
-    default: return int4 ? int4_kernel<0>(K) : int8_kernel<0>(M, K);
+    case 1: return kernel_for<1>(int4);
+    case 2: return kernel_for<2>(int4);
+    case 3: return kernel_for<3>(int4);
+    case 4: return kernel_for<4>(int4);
+    default: return kernel_for<0>(int4);
   }
 }
 
-// x [M, K] float32 -> [M, N] float32: quantizes x once, then splits the units of channels among torch's threads.
+// x [M, K] float32 -> [M, N] float32: quantizes x once, then splits the groups of channels among torch's threads.
 // channel_scales: int8's per-channel scales, or nullptr (int4 scales each block inside the kernel).
-at::Tensor run(const at::Tensor& input, int64_t N, const Kernel& kernel, const uint8_t* weights,
-               const float* channel_scales) {
+at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& kernel, const float* channel_scales) {
   const at::Tensor x = input.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK, C = kernel.channels;
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK, N = packed.size(0) * GROUP;
   // one allocation for the quantized activations: codes, then the replicated block scales, then the block sums
   at::Tensor buffer = at::empty({M * K + (M * blocks * 10) * 4}, x.options().dtype(at::kChar));
   int8_t* codes = buffer.data_ptr<int8_t>();
@@ -366,14 +369,15 @@ at::Tensor run(const at::Tensor& input, int64_t N, const Kernel& kernel, const u
   const Activations a{codes, scales, sums, K, blocks};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / C, 16, [&](int64_t begin, int64_t end) {
-    float column[GROUP * MAX_ROWS];  // column[c * MAX_ROWS + m]: the unit's channel c, row m
-    for (int64_t unit = begin; unit < end; unit++) {
-      const uint8_t* w = weights + unit * kernel.unit_bytes;
-      for (int64_t m = 0; m < M; m += kernel.rows)
-        (M - m >= kernel.rows ? kernel.chunk : kernel.last)(w, a.from_row(m), column + m);
-      for (int64_t c = 0; c < C; c++) {
-        const int64_t n = unit * C + c;
+  const uint8_t* weights = static_cast<const uint8_t*>(packed.data_ptr());
+  const int64_t group_bytes = K / 64 * kernel.step_bytes;
+  at::parallel_for(0, N / GROUP, 16, [&](int64_t begin, int64_t end) {
+    float column[GROUP * MAX_ROWS];  // column[c * MAX_ROWS + m]: the group's channel c, row m
+    for (int64_t g = begin; g < end; g++) {
+      for (int64_t m = 0; m < M; m += ROWS)
+        (M - m >= ROWS ? kernel.rows : kernel.last)(weights + g * group_bytes, a.from_row(m), column + m);
+      for (int64_t c = 0; c < GROUP; c++) {
+        const int64_t n = g * GROUP + c;
         for (int64_t m = 0; m < M; m++)
           out[m * N + n] = channel_scales ? column[c * MAX_ROWS + m] * channel_scales[n] : column[c * MAX_ROWS + m];
       }
@@ -382,39 +386,35 @@ at::Tensor run(const at::Tensor& input, int64_t N, const Kernel& kernel, const u
   return y;
 }
 
-void check_activations(const at::Tensor& x, int64_t multiple, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= MAX_ROWS,
-              "x must be float32 [M, K] with 1 <= M <= 8");
-  TORCH_CHECK(x.size(1) % multiple == 0, "K must be a multiple of ", multiple);
+// x [M, K] float32 with 1 <= M <= 8 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
+void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= MAX_ROWS &&
+                  x.size(1) % 64 == 0,
+              "x must be float32 [M, K] with 1 <= M <= 8 and K a multiple of 64");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == type && packed.size(1) == x.size(1) / 64 &&
+                  packed.size(2) == step && packed.is_contiguous(),
+              "the weights must be contiguous [N / 4, K / 64, ", step, "] of ", type, " (kernels.py's layout)");
   TORCH_CHECK(isa >= 0 && isa <= 4, "isa must be 0..4");
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t isa) {
-  // x [M, K] float32, weight [N, K] int8, scales [N] float32 -> [M, N] float32
-  check_activations(x, BLOCK, isa);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.size(1) == x.size(1) &&
-                  weight.is_contiguous(),
-              "int8_linear: weight must be contiguous int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0) && scales.is_contiguous(),
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t isa) {
+  // x [M, K] float32, packed [N / 4, K / 64, INT8_STEP] int8, scales [N] float32 -> [M, N] float32
+  check_inputs(x, packed, at::kChar, INT8_STEP, isa);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == packed.size(0) * GROUP && scales.is_contiguous(),
               "int8_linear: scales must be float32 [N]");
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>());
-  return run(x, weight.size(0), pick(false, x.size(0), x.size(1), isa), w, scales.data_ptr<float>());
+  return run(x, packed, pick(false, isa), scales.data_ptr<float>());
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t isa) {
-  // x [M, K] float32, packed [N / 4, K / 64, STEP_BYTES] uint8 (the layout above) -> [M, N] float32
-  check_activations(x, 2 * BLOCK, isa);
-  const int64_t K = x.size(1);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(1) == K / 64 &&
-                  packed.size(2) == STEP_BYTES && packed.is_contiguous(),
-              "int4_linear: packed must be contiguous uint8 [N / 4, K / 64, ", STEP_BYTES, "]");
-  return run(x, packed.size(0) * GROUP, pick(true, x.size(0), K, isa), packed.data_ptr<uint8_t>(), nullptr);
+  // x [M, K] float32, packed [N / 4, K / 64, INT4_STEP] uint8 -> [M, N] float32
+  check_inputs(x, packed, at::kByte, INT4_STEP, isa);
+  return run(x, packed, pick(true, isa), nullptr);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(gpt_fast, m) {
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, int isa) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int isa) -> Tensor");
 }
 

@@ -54,32 +54,32 @@ def reference(x: np.ndarray, w: np.ndarray, scales: np.ndarray) -> tuple[np.ndar
     return terms.sum((-1, -2)) * scale, float32_bound(d.shape[1], np.abs(terms).sum((-1, -2)) * np.abs(scale))
 
 
-@pytest.mark.parametrize("k", [32, 96, 576, 1056])  # one block; odd block counts; K not a multiple of 256
+@pytest.mark.parametrize("k", [64, 576, 1088])  # one pair of blocks; K not a multiple of 256; an odd pair count
 def test_integer_dot_products_are_exact(ops, k):
     """Integer activations with a 127 in every block make codes equal to the activations and block scales 1: with
     scales of 1, every output is an integer sum that float32 holds exactly, so it must equal the int64 dot product."""
     g = torch.Generator().manual_seed(k)
     x = torch.randint(-127, 128, (8, k), generator=g).float()
     x[:, ::32] = 127.0
-    w = torch.randint(-127, 128, (37, k), dtype=torch.int8, generator=g)
-    expected = x.long() @ w.long().T
+    w = torch.randint(-127, 128, (36, k), dtype=torch.int8, generator=g)
+    expected, packed = x.long() @ w.long().T, kernels.int8_native_layout(w)
     for isa in runnable_isas():
         for m in range(1, 9):
-            y = ops.int8_linear(x[:m], w, torch.ones(37), isa)
+            y = ops.int8_linear(x[:m], packed, torch.ones(36), isa)
             assert torch.equal(y.long(), expected[:m]) and torch.equal(y, y.round()), kernels.NATIVE_ISAS[isa]
 
 
-@pytest.mark.parametrize("k", [64, 576, 1056])
+@pytest.mark.parametrize("k", [64, 576, 1088])
 def test_float_outputs_within_rounding_of_the_reference(ops, k):
     """Random activations and scales: each output within float32 rounding of the float64 sum of the exact block
     terms (a bound of 2^-22 per block term added, on the sum of their magnitudes); a wrong block scale, code or
     sign moves outputs by far more."""
     g = torch.Generator().manual_seed(k)
-    x, w = torch.randn(8, k, generator=g), torch.randint(-127, 128, (45, k), dtype=torch.int8, generator=g)
-    scales = torch.rand(45, generator=g) / 100
+    x, w = torch.randn(8, k, generator=g), torch.randint(-127, 128, (44, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(44, generator=g) / 100
     y_ref, bound = reference(x.numpy(), w.numpy(), scales.numpy())
     for isa in runnable_isas():
-        y = ops.int8_linear(x, w, scales, isa).double().numpy()
+        y = ops.int8_linear(x, kernels.int8_native_layout(w), scales, isa).double().numpy()
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
 
 
@@ -140,7 +140,8 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(8, 576, generator=g)
     if kind == "int8":
-        weights = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g), torch.rand(64, generator=g)
+        w = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g)
+        weights = kernels.int8_native_layout(w), torch.rand(64, generator=g)
     else:
         weights = (kernels.int4_native_layout(*int4_weights(64, 576, g)),)
     op = ops.int8_linear if kind == "int8" else ops.int4_linear
@@ -155,23 +156,29 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
 
 def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
     """Int8Linear with Kernels.int8_native: rows up to NATIVE_ROWS by the kernel (int8 activations: ~4e-3 from
-    float64 here), more by ATen's paths; a weight of -128, which the byte products cannot take, keeps the layer off
-    the kernel."""
+    float64 here), more by ATen's paths; a weight of -128, which the byte products cannot take, and shapes that do not
+    make whole groups of 4 channels and 64 inputs keep the layer off the kernel."""
     torch.manual_seed(4)
-    w = torch.randn(96, 160)
-    layer = kernels.Int8Linear(160, 96)
+    w = torch.randn(96, 192)
+    layer = kernels.Int8Linear(192, 96)
     layer.weight, layer.scales = qz.quantize_int8(w)
     layer.kernels = kernels.Kernels(int8_native=kernels.native_isa())
     layer.prepare()
-    x = torch.randn(5, 160)
-    expected = ops.int8_linear(x, layer.weight, layer.scales, kernels.NATIVE_ISAS.index(kernels.native_isa()))
+    x = torch.randn(5, 192)
+    packed = kernels.int8_native_layout(layer.weight)
+    expected = ops.int8_linear(x, packed, layer.scales, kernels.NATIVE_ISAS.index(kernels.native_isa()))
     assert torch.equal(layer(x), expected)
     reference_y = x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
     assert not torch.equal(layer(torch.cat([x] * 2))[:5], expected)  # 10 rows: ATen's bfloat16 kernel
+    for n, k in [(94, 192), (96, 160)]:
+        odd = kernels.Int8Linear(k, n)
+        odd.weight, odd.scales, odd.kernels = layer.weight[:n, :k].contiguous(), layer.scales[:n], layer.kernels
+        odd.prepare()
+        assert odd.native_packed is None and odd(x[:, :k]).shape == (5, n)
     layer.weight[0, 0] = -128
     layer.prepare()
-    assert layer.native_scales is None
+    assert layer.native_packed is None
 
 
 @pytest.mark.parametrize("groupsize", [32, 128])
