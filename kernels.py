@@ -26,7 +26,7 @@ GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
-NATIVE_GROUP = 4  # int4 output channels kernels_cpu.cpp interleaves (int4_native_layout)
+NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
 MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kernels.choose)
 # -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
 # has loaded; -ffp-contract=off: a row's float sums as written, the same instructions whatever the batch.
@@ -119,7 +119,6 @@ def int4_native_layout(codes: Tensor, block_scales: Tensor) -> Tensor:
     pairs = codes.view(n, k // 64, 2, 32)
     code_bytes = pairs[:, :, 0] | pairs[:, :, 1] << 4  # [N, K / 64, 32]
     scale_bytes = block_scales.half().contiguous().view(n, k // 64, 4).view(torch.uint8)  # [N, K / 64, 8]
-
     return torch.cat([interleaved(code_bytes), interleaved(scale_bytes)], -1).contiguous()
 
 
