@@ -51,13 +51,13 @@ constexpr int64_t PREFETCH_BYTES = 4096;
 // The activations of one call, quantized per block of 32: x[m, k] ~ codes[m, k] * scale of its block.
 struct Activations {
   const int8_t* codes;  // [M, K]
-  const float* scales;  // [M, K / 32, 8]: each block's scale 8 times, one 256-bit vector (two blocks fill 512 bits)
+  const float* scales;  // [M, K / 32]: each block's scale
   const float* sums;    // [M, K / 32, 2]: 0, then the block's scale times the sum of its codes: int4's offsets
                         // multiply the second of each pair, which lines it up with a step's (scale, offset) pairs
   int64_t K, blocks;
 
   Activations from_row(int64_t m) const {
-    return {codes + m * K, scales + m * blocks * 8, sums + m * blocks * 2, K, blocks};
+    return {codes + m * K, scales + m * blocks, sums + m * blocks * 2, K, blocks};
   }
 };
 
@@ -72,7 +72,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* s
       codes[b * BLOCK + j] = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
       sum += codes[b * BLOCK + j];
     }
-    std::fill(scales + b * 8, scales + b * 8 + 8, amax / 127.f);
+    scales[b] = amax / 127.f;
     sums[2 * b] = 0.f;
     sums[2 * b + 1] = amax / 127.f * float(sum);
   }
@@ -92,7 +92,7 @@ void int8_scalar(const int8_t* group, const Activations& x, float* out) {
         const int8_t* codes = group + (b / 2) * INT8_STEP + c * 2 * BLOCK + (b % 2) * BLOCK;
         int32_t dot = 0;
         for (int64_t j = 0; j < BLOCK; j++) dot += int32_t(codes[j]) * int32_t(x.codes[r * x.K + b * BLOCK + j]);
-        acc += float(dot) * x.scales[(r * x.blocks + b) * 8];
+        acc += float(dot) * x.scales[r * x.blocks + b];
       }
       out[c * MAX_ROWS + r] = acc;
     }
@@ -112,7 +112,7 @@ void int4_scalar(const uint8_t* group, const Activations& x, float* out) {
           dot += int32_t(b % 2 ? byte >> 4 : byte & 15) * int32_t(x.codes[r * x.K + b * BLOCK + j]);
         }
         const c10::Half* so = reinterpret_cast<const c10::Half*>(step + SCALES_AT) + c * 4 + (b % 2) * 2;
-        acc += float(dot) * (float(so[0]) * x.scales[(r * x.blocks + b) * 8]);
+        acc += float(dot) * (float(so[0]) * x.scales[r * x.blocks + b]);
         offsets += float(so[1]) * x.sums[(r * x.blocks + b) * 2 + 1];
       }
       out[c * MAX_ROWS + r] = acc + offsets;
@@ -159,7 +159,7 @@ AVX2 void int8_avx2(const int8_t* group, const Activations& x, float* out) {
       for (int r = 0; r < R; r++) {
         const int64_t block = r * x.blocks + b + h;
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + block * BLOCK));
-        const __m256 scale = _mm256_loadu_ps(x.scales + block * 8);
+        const __m256 scale = _mm256_broadcast_ss(x.scales + block);
         for (int c = 0; c < GROUP; c++) {
           const __m256i dot = dot32<VNNI>(magnitude[c], _mm256_sign_epi8(a, sign[c]));
           acc[c][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[c][r]);
@@ -206,7 +206,7 @@ AVX2 void int4_avx2(const uint8_t* group, const Activations& x, float* out) {
         for (int r = 0; r < R; r++) {
           const int64_t block = r * x.blocks + b + h;
           const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes + block * BLOCK));
-          const __m256 d = _mm256_loadu_ps(x.scales + block * 8);
+          const __m256 d = _mm256_broadcast_ss(x.scales + block);
           const __m256 dot = _mm256_cvtepi32_ps(dot32<VNNI>(codes[h], a));
           acc[c][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, scale), acc[c][r]);
         }
@@ -237,6 +237,12 @@ AVX512 inline __m512i dot64(__m512i u, __m512i s) {
   }
 }
 
+// Lanes 0-7 block b's activation scale d[0], lanes 8-15 block b + 1's d[1] (dot64's blocks).
+AVX512 inline __m512 two_scales(const float* d) {
+  const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_broadcast_ss(d)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(_mm256_broadcast_ss(d + 1)), 1));
+}
+
 template <int R, bool VNNI>
 AVX512 void int8_avx512(const int8_t* group, const Activations& x, float* out) {
   __m512 acc[GROUP][R];
@@ -256,7 +262,7 @@ AVX512 void int8_avx512(const int8_t* group, const Activations& x, float* out) {
     for (int r = 0; r < R; r++) {
       const int64_t block = r * x.blocks + b;
       const __m512i a = _mm512_loadu_si512(x.codes + block * BLOCK);
-      const __m512 scale = _mm512_loadu_ps(x.scales + block * 8);
+      const __m512 scale = two_scales(x.scales + block);
       for (int c = 0; c < GROUP; c++) {
         const __m512i signed_a = _mm512_mask_sub_epi8(a, negative[c], _mm512_setzero_si512(), a);
         acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<VNNI>(magnitude[c], signed_a)), scale, acc[c][r]);
@@ -287,15 +293,17 @@ AVX512 void int4_avx512(const uint8_t* group, const Activations& x, float* out) 
     __m512i codes[GROUP];
     __m512 scale[GROUP];
     for (int c = 0; c < GROUP; c++) {
-      const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * BLOCK)));
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * BLOCK));
+      const __m512i both = _mm512_broadcast_i64x4(bytes);
       codes[c] = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), low4);
       // lanes 0-7: block b's scale (lane 4c of so), lanes 8-15: block b + 1's (lane 4c + 2)
-      scale[c] = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(4 * c), _mm256_set1_epi32(4 * c + 2), 1), so);
+      const __m512i lanes = _mm512_inserti64x4(_mm512_set1_epi32(4 * c), _mm256_set1_epi32(4 * c + 2), 1);
+      scale[c] = _mm512_permutexvar_ps(lanes, so);
     }
     for (int r = 0; r < R; r++) {
       const int64_t block = r * x.blocks + b;
       const __m512i a = _mm512_loadu_si512(x.codes + block * BLOCK);
-      const __m512 d = _mm512_loadu_ps(x.scales + block * 8);
+      const __m512 d = two_scales(x.scales + block);
       offsets[r] = _mm512_fmadd_ps(so, _mm512_broadcast_f32x4(_mm_loadu_ps(x.sums + block * 2)), offsets[r]);
       for (int c = 0; c < GROUP; c++) {
         const __m512 dot = _mm512_cvtepi32_ps(dot64<VNNI>(codes[c], a));
@@ -360,11 +368,11 @@ Kernel pick(bool int4, int64_t isa) {
 at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& kernel, const float* channel_scales) {
   const at::Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK, N = packed.size(0) * GROUP;
-  // one allocation for the quantized activations: codes, then the replicated block scales, then the block sums
-  at::Tensor buffer = at::empty({M * K + (M * blocks * 10) * 4}, x.options().dtype(at::kChar));
+  // one allocation for the quantized activations: codes, then the block scales, then the block sums
+  at::Tensor buffer = at::empty({M * K + (M * blocks * 3) * 4}, x.options().dtype(at::kChar));
   int8_t* codes = buffer.data_ptr<int8_t>();
   float* scales = reinterpret_cast<float*>(codes + M * K);  // M * K is a multiple of 32: aligned for floats
-  float* sums = scales + M * blocks * 8;
+  float* sums = scales + M * blocks;
   quantize_rows(x.data_ptr<float>(), M, K, codes, scales, sums);
   const Activations a{codes, scales, sums, K, blocks};
   at::Tensor y = at::empty({M, N}, x.options());
