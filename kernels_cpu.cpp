@@ -48,6 +48,12 @@ constexpr int64_t SCALES_AT = 128;
 // hardware prefetcher alone fetches too late (prefetching past the end is harmless: no fault, no use).
 constexpr int64_t PREFETCH_BYTES = 4096;
 
+// Asks for the cache lines of a step's bytes PREFETCH_BYTES ahead of it.
+inline void prefetch_ahead(const void* step, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(step) + PREFETCH_BYTES + line, _MM_HINT_T0);
+}
+
 // The activations of one call, quantized per block of 32: x[m, k] ~ codes[m, k] * scale of its block.
 struct Activations {
   const int8_t* codes;  // [M, K]
@@ -148,8 +154,7 @@ AVX2 void int8_avx2(const int8_t* group, const Activations& x, float* out) {
     for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const int8_t* step = group + (b / 2) * INT8_STEP;
-    for (int64_t ahead = 0; ahead < INT8_STEP; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    prefetch_ahead(step, INT8_STEP);
     for (int h = 0; h < 2; h++) {  // block b + h: bytes 32h.. of each channel's 64
       __m256i sign[GROUP], magnitude[GROUP];
       for (int c = 0; c < GROUP; c++) {
@@ -189,8 +194,7 @@ AVX2 void int4_avx2(const uint8_t* group, const Activations& x, float* out) {
   }
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const uint8_t* step = group + (b / 2) * INT4_STEP;
-    for (int64_t ahead = 0; ahead < INT4_STEP; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    prefetch_ahead(step, INT4_STEP);
     __m256 so[2];
     for (int pair = 0; pair < 2; pair++)
       so[pair] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + SCALES_AT + pair * 16)));
@@ -250,8 +254,7 @@ AVX512 void int8_avx512(const int8_t* group, const Activations& x, float* out) {
     for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const int8_t* step = group + (b / 2) * INT8_STEP;
-    for (int64_t ahead = 0; ahead < INT8_STEP; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    prefetch_ahead(step, INT8_STEP);
     __m512i magnitude[GROUP];
     __mmask64 negative[GROUP];
     for (int c = 0; c < GROUP; c++) {
@@ -287,8 +290,7 @@ AVX512 void int4_avx512(const uint8_t* group, const Activations& x, float* out) 
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const uint8_t* step = group + (b / 2) * INT4_STEP;
-    for (int64_t ahead = 0; ahead < INT4_STEP; ahead += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(step + PREFETCH_BYTES + ahead), _MM_HINT_T0);
+    prefetch_ahead(step, INT4_STEP);
     const __m512 so = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + SCALES_AT)));
     __m512i codes[GROUP];
     __m512 scale[GROUP];
