@@ -108,6 +108,13 @@ def inductor_cache_dir() -> Path:
     return base if base.name == capability else base / capability
 
 
+def skip_unchanged_modules(compiled):
+    """compiled, with guards that pass a module whose attributes (and its submodules') are unchanged since the
+    last call without checking each of its weights: per call, Dynamo would otherwise check every tensor of the
+    model before the step runs."""
+    return torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=True)(compiled)
+
+
 def compile_steps(device: torch.device, decode: bool = True, prefill: bool = False) -> Steps:
     """Steps with the decode-shaped steps (decode, draft, verify) and/or the prefill compiled; each compiles on
     first use, with inductor's cache in inductor_cache_dir(). CUDA graphs ("reduce-overhead") exist on CUDA only."""
@@ -127,7 +134,7 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
     if decode:
         for name in ("decode", "draft", "verify"):
             compiled = torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
-            steps[name] = functools.partial(compiled, fused_rows=FUSED_ROWS)
+            steps[name] = functools.partial(skip_unchanged_modules(compiled), fused_rows=FUSED_ROWS)
     if prefill:
         compiled = torch.compile(eager.prefill, fullgraph=True, dynamic=True)
         steps["prefill"] = functools.partial(compiled, fused_rows=FUSED_ROWS)

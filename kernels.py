@@ -129,7 +129,8 @@ class Kernels:
     linear) in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
     bfloat16 only, so float32 is exact but far slower)."""
 
-    float_matvec: str = "library"  # few-row products with float weights: "library" (BLAS) or "fused"
+    # few-row products with float weights, and a few queries' with the KV cache: "library" (BLAS) or "fused"
+    float_matvec: str = "library"
     quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
     gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
     kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed

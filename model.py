@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config import HIDDEN_ACTS, ModelArgs
-from kernels import Kernels, Linear, linear
+from kernels import Kernels, Linear, fuses, linear
 
 ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approximate="tanh"))))
 
@@ -200,6 +200,8 @@ class TransformerBlock(nn.Module):
 
 
 class Attention(nn.Module):
+    kernels = Kernels()  # fused attention products, as the linear layers' (set_kernels)
+
     def __init__(self, config: ModelArgs, kind: str):
         super().__init__()
         self.kind = kind  # "full_attention" or "sliding_attention": which mask and rotary angles it takes
@@ -229,9 +231,11 @@ class Attention(nn.Module):
         k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, max_seq, D]
         k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the slots the mask covers (kv_length)
         # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel has a fixed cost per call that
-        # exceeds one query's work); so does soft-capping, which SDPA cannot do.
+        # exceeds one query's work); so does soft-capping, which SDPA cannot do. A few queries' products with the
+        # cache fuse too where the linear layers' do (a batched matmul is a library call per layer).
         if seqlen == 1 or self.logit_softcap is not None:
-            y = grouped_attention(q, k, v, mask, self.scale, self.logit_softcap)
+            fused = self.kernels.float_matvec == "fused" and fuses(x[0], fused_rows)
+            y = grouped_attention(q, k, v, mask, self.scale, self.logit_softcap, fused)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_head != self.n_kv_heads
@@ -241,17 +245,21 @@ class Attention(nn.Module):
 
 
 def grouped_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, logit_softcap: float | None
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, logit_softcap: float | None, fused: bool = False
 ) -> Tensor:
     """softmax(q k^T * scale) v in float32. q [B, H, S, D], k and v [B, H_kv, T, D], mask [B, 1, S, T]; the
-    query heads that share a KV head (head i uses KV head i // group) become rows of one product."""
+    query heads that share a KV head (head i uses KV head i // group) become rows of one product. fused: the
+    products as multiply-and-sums, which torch.compile fuses with the softmax (run eagerly they would materialise
+    [B, H_kv, group * S, T, D])."""
     bsz, n_head, seqlen, head_dim = q.shape
     n_kv = k.shape[1]
-    rows = q.reshape(bsz, n_kv, n_head // n_kv * seqlen, head_dim)
-    scores = softcap((rows.float() @ k.float().transpose(-1, -2)) * scale, logit_softcap)  # [B, H_kv, group * S, T]
+    rows, k, v = q.reshape(bsz, n_kv, n_head // n_kv * seqlen, head_dim).float(), k.float(), v.float()
+    scores = (rows[:, :, :, None] * k[:, :, None]).sum(-1) if fused else rows @ k.transpose(-1, -2)
+    scores = softcap(scores * scale, logit_softcap)  # [B, H_kv, group * S, T]
     scores = scores.view(bsz, n_kv, -1, seqlen, k.shape[2]).masked_fill(~mask[:, :, None], float("-inf"))
     probs = scores.softmax(dim=-1).view(bsz, n_kv, -1, k.shape[2])
-    return (probs @ v.float()).to(q.dtype).reshape(bsz, n_head, seqlen, head_dim)
+    y = (probs[..., None] * v[:, :, None]).sum(-2) if fused else probs @ v
+    return y.to(q.dtype).reshape(bsz, n_head, seqlen, head_dim)
 
 
 def softcap(x: Tensor, cap: float | None) -> Tensor:

@@ -10,6 +10,7 @@ from config import ModelArgs
 from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from generate import generate, load_model
+from model import grouped_attention
 
 pytestmark = pytest.mark.numerics
 
@@ -99,6 +100,24 @@ def test_qwen2_biases(tmp_path, tiny_tokenizer_json):
     model.setup_caches(1, 32)
     with torch.no_grad():
         assert (model(x, torch.arange(20)) - hf(x).logits).abs().max() < TOLERANCE
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("logit_softcap", [None, 5.0])
+def test_grouped_attention_against_float64(fused, logit_softcap):
+    # 6 query heads on 2 KV heads, 3 queries (a verify step) over 10 cache slots, some of them masked; the
+    # float64 reference repeats each KV head for its queries. Float32 rounding stays near 1e-6; a wrong head
+    # grouping, mask or scale moves the output by more than 1e-2.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 3, 16), torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16)
+    mask = torch.rand(2, 1, 3, 10) > 0.3
+    mask[..., 0] = True
+    y = grouped_attention(q, k, v, mask, 0.3, logit_softcap, fused)
+    scores = q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2) * 0.3
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    torch.testing.assert_close(y.double(), probs @ v.double().repeat_interleave(3, dim=1), atol=1e-5, rtol=0)
 
 
 def test_generate_stops_at_eos(tiny_checkpoint):
