@@ -277,7 +277,8 @@ def parser() -> argparse.ArgumentParser:
         "--kernels",
         choices=MATVECS,
         default="auto",
-        help="CPU products of few rows: auto (the fastest measured for this CPU and --compile: int8/int4 by "
+        help="CPU products of few rows (linear layers; a decode step's attention): auto (the fastest measured for "
+        "this CPU and --compile: int8/int4 by "
         "kernels_cpu.cpp, built on first use, where it builds), fused (float32 multiply-and-sum, for compiled steps), "
         "library (BLAS, ATen's int8/int4 kernels) or native (auto, failing if kernels_cpu.cpp does not build)",
     )
