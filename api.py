@@ -4,18 +4,28 @@ streamed chunks).
 """
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 
 from chat import encode_conversation
 from engine import MAX_TOP_LOGPROBS, Choice, Engine, Event
+from grammar import choice_grammar, grammar_error, json_grammar, regex_grammar, text_grammar
 from results import TokenLogprobs
 from sampling import SamplingParams, check_seed
 from tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "developer", "user", "assistant")
-# Fields this server cannot honour, with the values that ask for nothing: anything else is refused, not ignored.
+# Every field of OpenAI's chat and completions requests, and the extensions, by what the server does with it
+# (docs/serving.md has the table; tests/test_server.py walks it against the openai package's request types).
+HONOURED = set(
+    "model messages prompt max_tokens max_completion_tokens temperature top_p n stop seed presence_penalty "
+    "frequency_penalty logprobs top_logprobs echo stream stream_options top_k min_p repetition_penalty "
+    "response_format guided_json guided_regex guided_choice guided_grammar".split()
+)
+CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's names
+# Fields this server cannot honour, with the values that ask for nothing: any other value is refused with a 400.
 UNSUPPORTED = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -24,8 +34,17 @@ UNSUPPORTED = {
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
 }
+# Fields accepted with no effect: the OpenAI platform's bookkeeping and settings of its own models.
+NO_EFFECT = set(
+    "user store metadata safety_identifier service_tier prompt_cache_key prompt_cache_retention prompt_cache_options "
+    "verbosity reasoning_effort moderation parallel_tool_calls".split()
+)
+log = logging.getLogger("server")
 
 
 class ApiError(Exception):
@@ -92,20 +111,51 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
-def chat_prompt(body: dict, tokenizer: Tokenizer) -> list[int]:
+def message_text(content, name: str) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}) joined by newlines,
+    as vLLM joins them."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise ApiError(f"{name} must be a string or a non-empty list of text parts", name)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a {kind!r} part" if isinstance(kind, str) else "not a text part"
+            raise ApiError(f"{name}[{j}] is {what}: this server reads text only", f"{name}[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The request's messages as the chat template takes them: {"role", "content": str}."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", "messages")
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
-            raise ApiError(f"messages[{i}].content must be a string", f"messages[{i}].content")
-    # A developer message is what newer OpenAI clients send in place of a system one.
-    return encode_conversation(
-        tokenizer,
-        [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages],
-    )
+        # A developer message is what newer OpenAI clients send in place of a system one.
+        role = "system" if m["role"] == "developer" else m["role"]
+        checked.append({"role": role, "content": message_text(m.get("content"), f"messages[{i}].content")})
+    return checked
+
+
+def chat_prompt(body: dict, tokenizer: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    messages = chat_messages(body)
+    try:
+        return encode_conversation(tokenizer, messages, add_generation_prompt)
+    except ValueError as e:  # the template refused the conversation, or the text is not valid UTF-8
+        raise ApiError(str(e), "messages") from None
+
+
+def encode_text(tokenizer: Tokenizer, text: str, name: str, bos: bool = True) -> list[int]:
+    try:
+        return tokenizer.encode(text, bos)
+    except ValueError as e:  # lone surrogates, which JSON can carry
+        raise ApiError(str(e), name) from None
 
 
 def completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[list[int]]:
@@ -116,12 +166,58 @@ def completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> lis
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or is_ids(p) for p in prompt):
         raise ApiError("prompt must be a string, a list of strings, or token ids", "prompt")
-    rows = [tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+    rows = [encode_text(tokenizer, p, "prompt") if isinstance(p, str) else p for p in prompt]
     if any(not 0 <= t < vocab_size for row in rows for t in row):
         raise ApiError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if any(not row for row in rows):
         raise ApiError("a prompt is empty and the tokenizer adds no BOS token to start from", "prompt")
     return rows
+
+
+def output_grammar(body: dict, engine: Engine) -> str | None:
+    """The llguidance grammar the request's output must follow, from response_format (json_object, or json_schema) or
+    vLLM's guided_json (a schema), guided_regex, guided_choice (strings) and guided_grammar (Lark or GBNF)."""
+    asked = [name for name in CONSTRAINTS if body.get(name) not in (None, {"type": "text"})]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(f"give one of {', '.join(asked)}, not several", asked[1])
+    name, value = asked[0], body[asked[0]]
+    if engine.vocabulary is None:
+        raise ApiError(f"{name} needs the checkpoint's tokenizer.json, which this model lacks", name)
+    try:
+        grammar = constraint_grammar(name, value)
+    except ValueError as e:  # a grammar llguidance cannot read
+        raise ApiError(f"{name}: {e}", name) from None
+    if error := grammar_error(grammar, engine.vocabulary):
+        raise ApiError(f"{name} is not supported as given: {error.strip()}", name)
+    return grammar
+
+
+def constraint_grammar(name: str, value) -> str:
+    """One constraint field's value -> its grammar (ApiError when the value has the wrong shape)."""
+    if name == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            return json_grammar({"type": "object"})
+        schema = value.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise ApiError(
+                'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                '"json_schema": {"name": ..., "schema": {...}}}',
+                name,
+            )
+        return json_grammar(schema["schema"])
+    if name == "guided_json" and isinstance(value, (dict, str)):
+        return json_grammar(value)
+    if name == "guided_regex" and isinstance(value, str):
+        return regex_grammar(value)
+    if name == "guided_choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
+        return choice_grammar(value)
+    if name == "guided_grammar" and isinstance(value, str):
+        return text_grammar(value)
+    wanted = {"guided_json": "a JSON schema", "guided_choice": "a non-empty list of strings"}
+    raise ApiError(f"{name} must be {wanted.get(name, 'a string')}", name)
 
 
 @dataclass
@@ -137,7 +233,12 @@ class Job:
     top_logprobs: int | None
     stream: bool
     include_usage: bool
-    echo: bool
+    echo: bool  # completions: the answer starts with the prompt (with log-probs asked, the prompt's log-probs too)
+    grammar: str | None  # what the output must follow (grammar.py), or None
+
+    @property
+    def score_prompt(self) -> bool:
+        return self.echo and self.top_logprobs is not None
 
 
 def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
@@ -150,6 +251,8 @@ def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
     for name, harmless in UNSUPPORTED.items():
         if body.get(name) not in harmless:
             raise ApiError(f"{name} is not supported by this server", name)
+    for name in sorted(body.keys() - HONOURED - UNSUPPORTED.keys() - NO_EFFECT):
+        log.info("request field %s is unknown to this server: ignored", json.dumps(name))
     if chat:
         prompts = [chat_prompt(body, engine.tokenizer)]
         if body.get("logprobs") not in (None, True, False):
@@ -167,25 +270,78 @@ def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", "stream_options")
-    max_tokens = reply_length(body, "messages" if chat else "prompt", max(map(len, prompts)), engine.context)
-    include_usage, echo = options.get("include_usage") is True, body.get("echo", False) is True and not chat
-    return Job(
-        chat, prompts, n, max_tokens, sampling_settings(body), stop_strings(body), top, stream, include_usage, echo
-    )
+    echo = not chat and flag(body, "echo", False)
+    # max_tokens 0 with echo: the prompt (and its log-probs) alone, as vLLM answers it, e.g. to lm-eval
+    longest = max(map(len, prompts))
+    max_tokens = reply_length(body, "messages" if chat else "prompt", longest, engine.context, int(not echo))
+    include_usage = options.get("include_usage") is True
+    params, stop, grammar = sampling_settings(body), stop_strings(body), output_grammar(body, engine)
+    return Job(chat, prompts, n, max_tokens, params, stop, top, stream, include_usage, echo, grammar)
 
 
-def reply_length(body: dict, prompt_field: str, longest: int, context: int) -> int:
+def reply_length(body: dict, prompt_field: str, longest: int, context: int, least: int) -> int:
     """max_completion_tokens (or max_tokens; default: all the room left) for a longest prompt in the context."""
     if longest >= context:
         raise ApiError(f"the prompt ({longest} tokens) does not fit the context ({context} tokens)", prompt_field)
     room = context - longest
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = integer(body, name, room, low=1)
+    max_tokens = integer(body, name, room, low=least)
     if max_tokens > room:
         raise ApiError(
             f"{name} {max_tokens} plus the prompt ({longest} tokens) exceeds the context ({context} tokens)", name
         )
     return max_tokens
+
+
+def token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+    ids = body.get(name)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ApiError(f"{name} must be a list of token ids", name)
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ApiError(f"{name} must be token ids in [0, {vocab_size})", name)
+    return ids
+
+
+def flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false", name)
+    return value
+
+
+def tokenize(body, tokenizer: Tokenizer, max_model_len: int) -> dict:
+    """POST /tokenize, as vLLM takes it (prompt, or messages through the chat template; add_special_tokens) and
+    llama.cpp (content; add_special)."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    if body.get("messages") is not None:
+        tokens = chat_prompt(body, tokenizer, flag(body, "add_generation_prompt", True))
+    else:
+        name = "prompt" if "prompt" in body else "content"
+        text = body.get(name)
+        if not isinstance(text, str):
+            raise ApiError("give the text to tokenize as prompt (or content), or messages", name)
+        bos = flag(body, "add_special_tokens", True) if name == "prompt" else flag(body, "add_special", False)
+        tokens = encode_text(tokenizer, text, name, bos)
+    answer = {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+    if flag(body, "return_token_strs", False):
+        answer["token_strs"] = [tokenizer.decode([t]) for t in tokens]
+    return answer
+
+
+def tokenizer_info(tokenizer: Tokenizer, max_model_len: int) -> dict:
+    """GET /tokenizer_info, as vLLM answers it: the special tokens and chat template (lm-eval's remote tokenizer
+    reads them)."""
+    specials = {k: tokenizer.special_tokens.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return specials | {"chat_template": tokenizer.chat_template, "model_max_length": max_model_len}
+
+
+def detokenize(body, tokenizer: Tokenizer, vocab_size: int) -> dict:
+    """POST /detokenize: tokens -> their text, as vLLM's prompt and llama.cpp's content."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    text = tokenizer.decode(token_ids(body, "tokens", vocab_size))
+    return {"prompt": text, "content": text}
 
 
 # ---------------------------------------------------------------- answers
@@ -209,7 +365,7 @@ def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> d
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [None if e.top is None else {tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
         "text_offset": [sum(map(len, tokens[:i])) for i in range(len(tokens))],
     }
 
@@ -225,6 +381,12 @@ def chunk_choice(job: Job, tokenizer: Tokenizer, event: Event) -> dict:
     lp = None if event.logprobs is None else logprobs_object(job, tokenizer, [event.logprobs])
     text = {"delta": {"content": event.text}} if job.chat else {"text": event.text}
     return {"index": event.index, **text, "logprobs": lp, "finish_reason": event.finish_reason}
+
+
+def echo_choice(tokenizer: Tokenizer, c: Choice, prompt: list[TokenLogprobs] | None) -> dict:
+    """A streamed completion's chunk with echo, before a choice's first token: the prompt (and its log-probs)."""
+    lp = None if prompt is None else completion_logprobs(tokenizer, prompt)
+    return {"index": c.index, "text": tokenizer.decode(c.ids), "logprobs": lp, "finish_reason": None}
 
 
 def answer_choice(job: Job, tokenizer: Tokenizer, c: Choice, text: str, entries: list[TokenLogprobs], reason: str):

@@ -29,6 +29,7 @@ from sampling import (
     sample,
     sampler_state,
     step_probs,
+    token_logprobs,
 )
 from tokenizer import Tokenizer
 
@@ -51,6 +52,13 @@ def prefill(
         x, input_pos, left_pad, last_only=True, first_row=first_row, kv_length=kv_length, fused_rows=fused_rows
     )
     return sample(logits[:, -1], s, greedy, n_logprobs)
+
+
+def prefill_and_score(model, x, input_pos, left_pad, s, greedy, n_logprobs, n_top, first_row=0, kv_length=None):
+    # prefill, from every position's logits, also scoring the prompt: -> first new token [B, 1], its log-probs, and
+    # (x[:, 1:]'s log-probs [B, S - 1, 1], the top n_top's values and ids [B, S - 1, n_top]) under the model.
+    logits = model(x, input_pos, left_pad, first_row=first_row, kv_length=kv_length)
+    return *sample(logits[:, -1], s, greedy, n_logprobs), token_logprobs(logits[:, :-1], x[:, 1:, None], n_top)
 
 
 def kv_length(window: Tensor | None) -> int | None:

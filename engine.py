@@ -5,7 +5,9 @@ steps, then decodes with every other busy slot in one batch, and frees its slot 
 away. A slot keeps its tokens' keys and values after its request, so the next turn of a conversation prefills
 only what is new. With a draft model, each step is a round of speculative decoding for all busy slots (decode.
 draft_and_verify; the acceptance rule of sampling.accept_drafts): while a busy slot's request is one the rule does
-not cover (penalties, log-probs), the batch decodes one token per step instead.
+not cover (penalties, log-probs, a grammar), the batch decodes one token per step instead. A choice with a grammar
+(grammar.py) has a matcher: after each of its tokens, the matcher's allowed tokens become its row's mask for the next
+step, which every row reads (all tokens allowed in a free row), so constrained and free rows share a step's graph.
 """
 
 import logging
@@ -16,9 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+from llguidance import LLMatcher, LLTokenizer
 
 from chat import cached_prefix
-from decode import draft_and_verify, prefill
+from decode import draft_and_verify, prefill, prefill_and_score
+from grammar import allowed_tokens
 from results import Speculation, TextPieces, TokenLogprobs, step_logprobs
 from sampling import SamplerState, SamplingParams, accept_drafts, record_token, row_sampler_state, set_row
 from tokenizer import Tokenizer
@@ -36,11 +40,13 @@ class Choice:
 
     index: int
     ids: list[int]
-    max_tokens: int
+    max_tokens: int  # 0: score the prompt only (score_prompt)
     params: SamplingParams
     stop: list[str]
     top_logprobs: int | None  # None: no log-probs
     send: Callable[["Event"], None]  # from the engine thread to the request's handler
+    score_prompt: bool = False  # the prompt's tokens' log-probs too (a completion's echo), from a full prefill
+    matcher: LLMatcher | None = None  # the grammar its output follows, if any
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
     tokens: list[int] = field(default_factory=list)
@@ -59,11 +65,13 @@ class Event:
     logprobs: TokenLogprobs | None = None
     finish_reason: str | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first event of a choice that scores its prompt
 
 
 def speculable(c: Choice) -> bool:
-    """Whether speculative decoding's acceptance rule covers a choice's sampling (not penalties or log-probs)."""
-    return c.top_logprobs is None and not c.params.penalized
+    """Whether speculative decoding's acceptance rule covers a choice's sampling (not penalties, log-probs or a
+    grammar, whose masks the draft and the verification do not apply)."""
+    return c.top_logprobs is None and not c.params.penalized and c.matcher is None
 
 
 class Engine:
@@ -77,8 +85,10 @@ class Engine:
         max_queue: int,
         draft=None,
         speculate_k: int = 4,
+        vocabulary: LLTokenizer | None = None,
     ):
         self.model, self.tokenizer, self.steps, self.draft = model, tokenizer, steps, draft
+        self.vocabulary = vocabulary  # the tokens as grammar.py's matchers read them (None: no structured output)
         self.device = model.tok_embeddings.weight.device
         self.k = speculate_k if draft is not None else 0
         self.speculation = Speculation(self.k) if draft is not None else None  # per slot and round
@@ -199,27 +209,29 @@ class Engine:
                 self.finish(row, error=str(e))
 
     def prefill(self, row: int, choice: Choice):
-        start = choice.reused = cached_prefix(self.cached[row], choice.ids)
+        # Scoring the prompt takes every position's logits, so it prefills the whole prompt.
+        start = choice.reused = 0 if choice.score_prompt else cached_prefix(self.cached[row], choice.ids)
         self.slots[row], self.cached[row] = choice, choice.ids[:start]
         choice.pieces = TextPieces(self.tokenizer, choice.stop)
         if choice.params.seed is not None:
             choice.generator = choice.params.generator(self.device)
-        set_row(self.state, row, choice.params, choice.ids)
+        vocab_size = self.model.config.vocab_size
+        allowed = None if choice.matcher is None else allowed_tokens(choice.matcher, vocab_size)
+        set_row(self.state, row, choice.params, choice.ids, allowed)
         self.refill_noise([row])
         x = torch.tensor([choice.ids[start:]], device=self.device)
         positions = torch.arange(start, len(choice.ids), device=self.device)
-        row_state = self.state_rows(slice(row, row + 1))
-        token, logprobs = prefill(
-            self.model,
-            x,
-            positions,
-            self.no_pad[:1],
-            row_state,
-            choice.params.greedy,
-            choice.top_logprobs,
-            first_row=row,
-            kv_length=len(choice.ids),
-        )
+        args = (self.model, x, positions, self.no_pad[:1], self.state_rows(slice(row, row + 1)), choice.params.greedy)
+        if choice.score_prompt:
+            token, logprobs, scored = prefill_and_score(
+                *args, choice.top_logprobs, choice.top_logprobs, first_row=row, kv_length=len(choice.ids)
+            )
+            prompt = [TokenLogprobs(choice.ids[0], None, None)] + step_logprobs(
+                tuple(t[0] for t in scored), choice.ids[1:]
+            )
+        else:
+            token, logprobs = prefill(*args, choice.top_logprobs, first_row=row, kv_length=len(choice.ids))
+            prompt = None
         if self.draft is not None:  # from one position earlier: the draft may lack the last one the slot held
             since = max(start - 1, 0)
             self.draft(
@@ -231,9 +243,13 @@ class Engine:
                 kv_length=len(choice.ids),
             )
         self.cached[row] = list(choice.ids)
+        if choice.max_tokens == 0:
+            choice.send(Event(choice.index, finish_reason="length", prompt_logprobs=prompt))
+            return self.finish(row)
         self.tokens[row] = token[0]
         self.last[row] = int(token)
-        self.emit(row, self.last[row], None if logprobs is None else step_logprobs(logprobs, [self.last[row]])[0])
+        logprobs = None if logprobs is None else step_logprobs(logprobs, [self.last[row]])[0]
+        self.emit(row, self.last[row], logprobs, prompt)
 
     def refill_noise(self, rows: list[int]):
         for i in rows:
@@ -315,19 +331,25 @@ class Engine:
                 if self.slots[i] is None:  # ended (length, stop, or its client went away)
                     break
 
-    def emit(self, row: int, token: int, logprobs: TokenLogprobs | None):
-        """Hands row's new token to its request (logprobs: of MAX_TOP_LOGPROBS alternatives, or None); ends the
-        choice when done."""
+    def emit(self, row: int, token: int, logprobs: TokenLogprobs | None, prompt: list[TokenLogprobs] | None = None):
+        """Hands row's new token to its request (logprobs: of MAX_TOP_LOGPROBS alternatives, or None; prompt: the
+        scored prompt's, with the first token); ends the choice when done."""
         c = self.slots[row]
         if c.cancelled:
             return self.finish(row)
         c.tokens.append(token)
-        event = Event(c.index, c.pieces.push(token))
+        event = Event(c.index, c.pieces.push(token), prompt_logprobs=prompt)
         if logprobs is not None and c.top_logprobs is not None and c.pieces.finished != "eos":
             event.logprobs = replace(logprobs, top=logprobs.top[: c.top_logprobs])
-        if not c.pieces.finished and len(c.tokens) >= c.max_tokens:
+        complete = False  # the grammar takes nothing more
+        if c.matcher is not None and not c.pieces.finished:
+            if not c.matcher.consume_token(token):
+                return self.finish(row, error=f"grammar: {c.matcher.get_error()}")
+            complete = c.matcher.is_stopped()
+            self.state.allowed[row] = allowed_tokens(c.matcher, self.model.config.vocab_size)
+        if complete or (not c.pieces.finished and len(c.tokens) >= c.max_tokens):
             event.text += c.pieces.end()
-            event.finish_reason = "length"
+            event.finish_reason = "stop" if complete else "length"
         if c.pieces.finished:
             event.finish_reason = "stop"
         c.send(event)
@@ -337,5 +359,6 @@ class Engine:
     def finish(self, row: int, error: str | None = None):
         c = self.slots[row]
         self.slots[row] = None
+        self.state.allowed[row] = True  # the idle row samples freely (a stale mask could allow nothing)
         if error is not None:
             c.send(Event(c.index, error=error))

@@ -26,13 +26,13 @@ from tokenizer import read_text
 
 
 @torch.no_grad()
-def perplexity(model, tokens: list[int], window: int, stride: int, step_rows: int | None = None) -> tuple[float, int]:
-    """exp(mean negative log-likelihood) of tokens[1:], and how many were scored; step_rows: the tokens of a forward
-    pass (default: a whole window)."""
+def text_logprobs(model, tokens: list[int], window: int, stride: int, step_rows: int | None = None) -> list[float]:
+    """The log-probability of each of tokens[1:] given those before it in its window (float64 log-softmax);
+    step_rows: the tokens of a forward pass (default: a whole window)."""
     if not 0 < stride < window:  # a window must overlap the previous one: its first token has no context in it
         raise ValueError(f"need 0 < stride < window, got stride {stride} and window {window}")
     model.setup_caches(1, window)
-    nll, counted, scored_until = 0.0, 0, 1  # the first token has no prediction
+    scores, scored_until = [], 1  # the first token has no prediction
     for start in range(0, len(tokens) - 1, stride):
         chunk = torch.tensor(tokens[start : start + window])
         step = step_rows or len(chunk)
@@ -43,12 +43,17 @@ def perplexity(model, tokens: list[int], window: int, stride: int, step_rows: in
         logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
         targets = chunk[1:]
         new = slice(scored_until - start - 1, None)  # positions whose target was not scored yet
-        nll -= logprobs[new].gather(-1, targets[new, None]).sum().item()
-        counted += len(targets[new])
+        scores += logprobs[new].gather(-1, targets[new, None])[:, 0].tolist()
         scored_until = start + len(chunk)
         if scored_until >= len(tokens):
             break
-    return math.exp(nll / counted), counted
+    return scores
+
+
+def perplexity(model, tokens: list[int], window: int, stride: int, step_rows: int | None = None) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) of tokens[1:], and how many were scored."""
+    scores = text_logprobs(model, tokens, window, stride, step_rows)
+    return math.exp(-sum(scores) / len(scores)), len(scores)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

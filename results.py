@@ -29,11 +29,12 @@ class Generation:
 @dataclass
 class TokenLogprobs:
     """A chosen token's log-probability under the model (before any sampling setting), and the most likely
-    tokens' (id, log-prob), best first: what generate returns and both of the server's APIs render."""
+    tokens' (id, log-prob), best first: what generate returns and both of the server's APIs render. A prompt's
+    first token has neither (None): nothing comes before it."""
 
     token: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None
+    top: list[tuple[int, float]] | None
 
 
 def step_logprobs(logprobs: tuple[Tensor, Tensor, Tensor], tokens: list[int]) -> list[TokenLogprobs]:

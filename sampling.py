@@ -70,7 +70,8 @@ def check_logprobs(params: SamplingParams, vocab_size: int):
 
 class SamplerState(NamedTuple):
     """What the sampling step reads: the settings as 0-d float32 tensors, and per row [B, V] the tokens seen
-    (prompt and output), the occurrences of each token in the output, and this step's Exp(1) draws."""
+    (prompt and output), the occurrences of each token in the output, this step's Exp(1) draws, and the tokens
+    allowed (all, unless a grammar constrains the row: grammar.py)."""
 
     temperature: Tensor
     top_k: Tensor
@@ -82,9 +83,10 @@ class SamplerState(NamedTuple):
     seen: Tensor
     counts: Tensor
     noise: Tensor
+    allowed: Tensor
 
 
-SETTINGS = tuple(k for k in SamplerState._fields if k not in ("seen", "counts", "noise"))
+SETTINGS = tuple(k for k in SamplerState._fields if k not in ("seen", "counts", "noise", "allowed"))
 
 
 def sampler_state(params: SamplingParams, rows: list[list[int]], vocab_size: int, device) -> SamplerState:
@@ -93,23 +95,27 @@ def sampler_state(params: SamplingParams, rows: list[list[int]], vocab_size: int
     for b, row in enumerate(rows):
         seen[b, torch.tensor(row, dtype=torch.long, device=device)] = True
     counts = torch.zeros(len(rows), vocab_size, device=device)
-    return SamplerState(**knobs, seen=seen, counts=counts, noise=torch.ones_like(counts))
+    allowed = torch.ones_like(seen)
+    return SamplerState(**knobs, seen=seen, counts=counts, noise=torch.ones_like(counts), allowed=allowed)
 
 
 def row_sampler_state(batch_size: int, vocab_size: int, device) -> SamplerState:
     """A state whose settings are per row [B, 1], for rows that are independent requests (set_row fills one)."""
     knobs = {k: torch.zeros(batch_size, 1, device=device) for k in SETTINGS}
     counts = torch.zeros(batch_size, vocab_size, device=device)
-    return SamplerState(**knobs, seen=counts.bool(), counts=counts, noise=torch.ones_like(counts))
+    allowed = torch.ones_like(counts, dtype=torch.bool)
+    return SamplerState(**knobs, seen=counts.bool(), counts=counts, noise=torch.ones_like(counts), allowed=allowed)
 
 
-def set_row(state: SamplerState, row: int, params: SamplingParams, seen: list[int]):
-    """Row row of a row_sampler_state starts a request: its settings, the tokens seen (its prompt), no output yet."""
+def set_row(state: SamplerState, row: int, params: SamplingParams, seen: list[int], allowed: Tensor | None = None):
+    """Row row of a row_sampler_state starts a request: its settings, the tokens seen (its prompt), no output yet,
+    and the tokens its grammar allows first (None: all)."""
     for k in SETTINGS:
         getattr(state, k)[row] = float(getattr(params, k))
     state.seen[row] = False
     state.seen[row, torch.tensor(seen, dtype=torch.long, device=state.seen.device)] = True
     state.counts[row] = 0
+    state.allowed[row] = True if allowed is None else allowed
 
 
 def record_token(state: SamplerState, token: Tensor):
@@ -149,17 +155,21 @@ def logits_to_probs(logits: Tensor, temperature, top_k, top_p, min_p) -> Tensor:
 
 def sample(logits: Tensor, s: SamplerState, greedy: bool, n_logprobs: int | None):
     """[B, V] logits -> next token [B, 1], and (chosen log-prob [B, 1], top values [B, n], top ids [B, n]) or None."""
-    processed = apply_penalties(logits, s)
+    processed = apply_penalties(logits, s).masked_fill(~s.allowed, float("-inf"))
     token = torch.argmax(processed, dim=-1, keepdim=True)
     if not greedy:  # rows at temperature 0 among sampled ones (a server's batch of requests) keep the argmax
         hot = s.temperature > 0
         probs = logits_to_probs(processed, torch.where(hot, s.temperature, 1.0), s.top_k, s.top_p, s.min_p)
         token = torch.where(hot, torch.argmax(probs / s.noise, dim=-1, keepdim=True), token)
-    if n_logprobs is None:
-        return token, None
-    logprobs = torch.log_softmax(logits, dim=-1)  # the model's own distribution, before any processing
-    top = torch.topk(logprobs, n_logprobs, dim=-1)
-    return token, (logprobs.gather(-1, token), top.values, top.indices)
+    return token, None if n_logprobs is None else token_logprobs(logits, token, n_logprobs)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """[..., V] logits and [..., 1] tokens -> (the tokens' log-probs [..., 1], the top n's values and ids [..., n])
+    under the model's own distribution, before any sampling setting."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(logprobs, n, dim=-1)
+    return logprobs.gather(-1, tokens), top.values, top.indices
 
 
 # ---------------------------------------------------------------- speculative decoding's rule

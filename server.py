@@ -3,9 +3,10 @@
     python server.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model.pth --compile
     open http://127.0.0.1:8000/ (the chat page), or point any OpenAI client at http://127.0.0.1:8000/v1
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not), GET /health, GET /.
-The routes are here; api.py checks requests and builds answers, engine.py batches the requests' decoding in a
-thread of its own (it explains slots, prefix reuse and speculative decoding).
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not), POST /tokenize,
+POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus), GET /health, GET /. The routes are here; api.py
+checks requests and builds answers, engine.py batches the requests' decoding in a thread of its own (it explains
+slots, prefix reuse and speculative decoding), metrics.py holds the counters.
 """
 
 import argparse
@@ -23,9 +24,22 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api import ApiError, Job, answer_choice, chunk_choice, object_name, parse_job, usage
+from api import (
+    ApiError,
+    Job,
+    answer_choice,
+    chunk_choice,
+    detokenize,
+    echo_choice,
+    object_name,
+    parse_job,
+    tokenize,
+    tokenizer_info,
+    usage,
+)
 from checkpoint import (
     DEFAULT_CHECKPOINT,
     DEFAULT_DEVICE,
@@ -38,7 +52,9 @@ from checkpoint import (
 from decode import check_speculation, compile_steps
 from engine import Choice, Engine, Event
 from generate import load_models
+from grammar import grammar_vocabulary, new_matcher
 from kernels import MATVECS
+from metrics import Metrics, server_metrics
 from sampling import SamplingParams
 from tokenizer import Tokenizer
 
@@ -52,6 +68,7 @@ class AppState:
     engine: Engine
     model_name: str
     api_key: str | None
+    metrics: Metrics
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -73,6 +90,19 @@ def make_app(app_state: AppState) -> FastAPI:
                 return JSONResponse(e.body(), status_code=401)
         return await call_next(request)
 
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        counter = app_state.metrics.requests.labels if request.url.path.startswith("/v1/") else None
+        try:
+            response = await call_next(request)
+        except Exception:
+            if counter:
+                counter(request.url.path, "500").inc()
+            raise
+        if counter:
+            counter(request.url.path, str(response.status_code)).inc()
+        return response
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await complete(request, True, app_state)
@@ -85,6 +115,23 @@ def make_app(app_state: AppState) -> FastAPI:
     async def models():
         model = {"id": app_state.model_name, "object": "model", "created": app_state.created, "owned_by": "local"}
         return {"object": "list", "data": [model]}
+
+    @app.post("/tokenize")
+    async def tokenize_text(request: Request):
+        return tokenize(await read_body(request), app_state.engine.tokenizer, app_state.engine.context)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_details():
+        return tokenizer_info(app_state.engine.tokenizer, app_state.engine.context)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request):
+        engine = app_state.engine
+        return detokenize(await read_body(request), engine.tokenizer, engine.model.config.vocab_size)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(app_state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health():
@@ -114,8 +161,8 @@ async def read_body(request: Request):
             raise ApiError(f"the request body exceeds {MAX_BODY_BYTES} bytes", status=413)
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, too deep, an integer too long, ...
+        raise ApiError(f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 
 
 @dataclass
@@ -125,6 +172,7 @@ class Reply:
     job: Job
     choices: list[Choice]
     tokenizer: Tokenizer
+    metrics: Metrics
     head: dict  # id, created, model: the same in every chunk
     start: float
     first: float | None = None  # when the first event came
@@ -132,6 +180,11 @@ class Reply:
     def log(self):
         end, u = time.perf_counter(), usage(self.job, self.choices)
         rate = u["completion_tokens"] / (end - self.first) if self.first and end > self.first else float("nan")
+        self.metrics.prompt_tokens.inc(u["prompt_tokens"])
+        self.metrics.cached_prompt_tokens.inc(u["prompt_tokens_details"]["cached_tokens"])
+        self.metrics.generation_tokens.inc(u["completion_tokens"])
+        if self.first:
+            self.metrics.time_to_first_token.observe(self.first - self.start)
         log.info(
             "%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%.3fs tokens/s=%.1f",
             self.head["id"],
@@ -149,8 +202,8 @@ async def complete(request: Request, chat: bool, app_state: AppState):
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": request_id, "created": int(time.time()), "model": app_state.model_name}
     choices, sent = submit(job, app_state.engine)
-    reply = Reply(job, choices, app_state.engine.tokenizer, head, time.perf_counter())
-    events = choice_events(choices, sent)
+    reply = Reply(job, choices, app_state.engine.tokenizer, app_state.metrics, head, time.perf_counter())
+    events = choice_events(choices, sent, app_state.metrics)
     try:
         first = await anext(events)  # a fault in the prefill answers 500, before any chunk
         reply.first = time.perf_counter()
@@ -173,7 +226,17 @@ def submit(job: Job, engine: Engine) -> tuple[list[Choice], asyncio.Queue]:
         return job.params if job.params.seed is None else replace(job.params, seed=(job.params.seed + i) % 2**64)
 
     choices = [
-        Choice(p * job.n + i, ids, job.max_tokens, seeded(i), job.stop, job.top_logprobs, send)
+        Choice(
+            p * job.n + i,
+            ids,
+            job.max_tokens,
+            seeded(i),
+            job.stop,
+            job.top_logprobs,
+            send,
+            job.score_prompt,
+            None if job.grammar is None else new_matcher(job.grammar, engine.vocabulary),
+        )
         for p, ids in enumerate(job.prompts)
         for i in range(job.n)
     ]
@@ -186,15 +249,19 @@ def submit(job: Job, engine: Engine) -> tuple[list[Choice], asyncio.Queue]:
     return choices, sent
 
 
-async def choice_events(choices: list[Choice], sent: asyncio.Queue) -> AsyncIterator[Event]:
-    """The choices' events until each has ended (an error event raises). Closed early (the client went away),
-    it cancels the choices, and the engine frees whatever is still running."""
-    open_choices = len(choices)
+async def choice_events(choices: list[Choice], sent: asyncio.Queue, metrics: Metrics) -> AsyncIterator[Event]:
+    """The choices' events (one per token) until each has ended (an error event raises). Closed early (the client
+    went away), it cancels the choices, and the engine frees whatever is still running."""
+    open_choices, last = len(choices), {}  # last: when each choice's latest token came
     try:
         while open_choices:
             event = await sent.get()
             if event.error is not None:
                 raise RuntimeError(event.error)
+            now = time.perf_counter()
+            if event.index in last:
+                metrics.inter_token_latency.observe(now - last[event.index])
+            last[event.index] = now
             open_choices -= event.finish_reason is not None
             yield event
     finally:
@@ -215,10 +282,11 @@ async def streamed_answer(reply: Reply, first: Event, events: AsyncIterator[Even
                 yield chunk(
                     [chunk_choice(job, tokenizer, Event(c.index)) | {"delta": {"role": "assistant", "content": ""}}]
                 )
-            elif job.echo:
-                yield chunk([chunk_choice(job, tokenizer, Event(c.index, tokenizer.decode(c.ids)))])
-        event = first
+        event, echoed = first, set()
         while event is not None:
+            if job.echo and event.index not in echoed:  # a choice's prompt comes before its first token
+                echoed.add(event.index)
+                yield chunk([echo_choice(tokenizer, reply.choices[event.index], event.prompt_logprobs)])
             # A token may complete no text yet (part of a character, or the start of a possible stop string).
             if event.text or event.finish_reason or event.logprobs:
                 yield chunk([chunk_choice(job, tokenizer, event)])
@@ -238,7 +306,8 @@ async def whole_answer(reply: Reply, first: Event, events: AsyncIterator[Event])
         event = first
         while event is not None:
             texts[event.index] = texts.get(event.index, "") + event.text
-            entries.setdefault(event.index, []).extend([event.logprobs] if event.logprobs else [])
+            new = (event.prompt_logprobs or []) + ([event.logprobs] if event.logprobs else [])
+            entries.setdefault(event.index, []).extend(new)
             reasons[event.index] = event.finish_reason
             event = await anext(events, None)
     finally:
@@ -298,13 +367,27 @@ def main(argv=None):
         max_seq_length = min(
             args.max_seq_length, model.config.block_size, *([draft.config.block_size] if draft else [])
         )
+        tokenizer_file = path.parent / "tokenizer.json"  # structured output reads it (grammar.py)
+        vocabulary = (
+            grammar_vocabulary(tokenizer_file, model.config.vocab_size, tokenizer.eos_ids)
+            if tokenizer_file.is_file()
+            else None
+        )
         engine = Engine(
-            model, tokenizer, args.max_batch_size, max_seq_length, steps, args.max_queue, draft, args.speculate_k
+            model,
+            tokenizer,
+            args.max_batch_size,
+            max_seq_length,
+            steps,
+            args.max_queue,
+            draft,
+            args.speculate_k,
+            vocabulary,
         )
         if args.compile:
             engine.warm_up()
         engine.thread.start()
-        app = make_app(AppState(engine, args.model_name or path.parent.name, args.api_key))
+        app = make_app(AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine)))
         log.info(
             "serving %s on http://%s:%d (%d slots of %d positions%s)",
             path,

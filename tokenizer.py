@@ -58,22 +58,29 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.decode_fn(list(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders messages as transformers' apply_chat_template(tokenize=False) does."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None, **kwargs
+    ) -> str:
+        """Renders messages as transformers' apply_chat_template(tokenize=False) does: tools (OpenAI's function
+        definitions) and kwargs (chat_template_kwargs, e.g. enable_thinking) reach the template as variables."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json)")
         from jinja2.exceptions import TemplateError
 
         try:
             return compile_chat_template(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                **kwargs,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
             )
         except TemplateError as e:  # the template's own raise_exception() ("roles must alternate", ...) too
             raise ValueError(f"chat template: {e}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         # The template writes any BOS itself.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), bos=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), bos=False)
 
 
 class IncrementalDecoder:

@@ -2,6 +2,7 @@
 
 import json
 import queue
+import re
 import shutil
 import socket
 import subprocess
@@ -11,15 +12,23 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
+import lm_eval
 import openai
+import pydantic
 import pytest
 import torch
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+from prometheus_client.parser import text_string_to_metric_families
 
+from api import HONOURED, NO_EFFECT, UNSUPPORTED
 from chat import encode_conversation
 from conftest import ROOT, SMOLLM2_DIR, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from decode import Steps, Stream, compile_steps
 from engine import Choice, Engine
+from eval import text_logprobs
 from generate import generate, load_model
 from sampling import SamplingParams
 from tokenizer import load_tokenizer
@@ -185,6 +194,277 @@ def test_openai_client_chat_and_completions(server, reference, chat_checkpoint):
     assert json.loads(out.stdout.splitlines()[-1])["outputs"] == [expected]
 
 
+def metric_samples(url: str) -> dict:
+    """GET /metrics, parsed by prometheus_client: {(sample name, labels as sorted tuples): value}."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_content_parts_tokenize_and_metrics(server, reference):
+    """Content as a list of text parts answers as the same text as a string; /tokenize and /detokenize give the
+    tokenizer's ids and text back; /metrics' counters move by a request's usage."""
+    url, _ = server
+    api = client(url)
+    _, tokenizer = reference
+    parts = [{"type": "text", "text": "The quick"}, {"type": "text", "text": "brown"}]
+    as_parts = api.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": parts}], max_tokens=12, temperature=0
+    )
+    as_string = api.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "The quick\nbrown"}], max_tokens=12, temperature=0
+    )
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_string.usage.prompt_tokens
+
+    text = "Naïve café 日本語"
+    tokens = httpx.post(url + "/tokenize", json={"prompt": text}).json()
+    assert tokens["tokens"] == tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] > 0
+    plain = httpx.post(url + "/tokenize", json={"content": text}).json()["tokens"]  # llama.cpp's: no BOS
+    assert plain == tokenizer.encode(text, bos=False)
+    back = httpx.post(url + "/detokenize", json={"tokens": plain}).json()
+    assert back["prompt"] == back["content"] == text
+    messages = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat == encode_conversation(tokenizer, [{"role": "user", "content": text}])
+
+    before = metric_samples(url)
+    done = api.completions.create(model="tiny-chat", prompt="The quick brown", max_tokens=7, temperature=0)
+    after = metric_samples(url)
+    moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    ok = ("gptfast_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
+    assert moved[ok] == 1
+    assert moved[("gptfast_prompt_tokens_total", ())] == done.usage.prompt_tokens
+    assert moved[("gptfast_generation_tokens_total", ())] == done.usage.completion_tokens
+    assert moved[("gptfast_time_to_first_token_seconds_count", ())] == 1
+    assert moved[("gptfast_inter_token_latency_seconds_count", ())] == done.usage.completion_tokens - 1
+    assert after[("gptfast_slots", ())] == 16 and after[("gptfast_busy_slots", ())] == 0
+
+
+def test_every_openai_field_is_honoured_refused_or_documented(server):
+    """Each field of the openai package's chat and completions requests is in exactly one of the server's tables;
+    a refused one with a value that asks for something gets a 400 naming it, one without effect is accepted, and
+    an unknown field is accepted with one log line."""
+    url, log = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    fields = set(chat_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    fields |= set(completion_create_params.CompletionCreateParamsBase.__annotations__)
+    tables = [HONOURED, set(UNSUPPORTED), NO_EFFECT]
+    assert all(sum(f in t for t in tables) == 1 for f in fields), [f for f in fields if not any(f in t for t in tables)]
+    asking = {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto",
+        "functions": [{"name": "f"}],
+        "function_call": "auto",
+        "logit_bias": {"5": 10},
+        "suffix": "!",
+        "best_of": 2,
+        "audio": {"voice": "alloy", "format": "wav"},
+        "modalities": ["text", "audio"],
+        "prediction": {"type": "content", "content": "x"},
+        "web_search_options": {},
+    }
+    idle = {
+        "user": "u1",
+        "store": True,
+        "metadata": {"k": "v"},
+        "safety_identifier": "s1",
+        "service_tier": "auto",
+        "prompt_cache_key": "c1",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {},
+        "verbosity": "low",
+        "reasoning_effort": "low",
+        "moderation": "auto",
+        "parallel_tool_calls": False,
+    }
+    assert asking.keys() == UNSUPPORTED.keys() and idle.keys() == NO_EFFECT
+    for name, value in asking.items():
+        chat = name not in ("suffix", "best_of")
+        body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        r = httpx.post(
+            url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body | {name: value}, headers=auth
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "zzz_unknown": 1} | idle,
+        headers=auth,
+    )
+    assert r.status_code == 200, r.text
+    log.flush()
+    assert '"zzz_unknown" is unknown' in Path(log.name).read_text()
+
+
+def test_prompt_logprobs_equal_eval_py(server, reference):
+    """echo with logprobs scores every prompt token (the first has none) as eval.py does, with max_tokens 0 (the
+    prompt alone) or followed by the generated tokens, streamed or not."""
+    url, _ = server
+    api = client(url)
+    model, tokenizer = reference
+    prompt = "The quick brown fox jumps over the lazy dog, 1234 times."
+    ids = tokenizer.encode(prompt)
+    expected = text_logprobs(model, ids, len(ids), len(ids) - 1)
+    only = api.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    choice = only.choices[0]
+    assert choice.text == tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        best = sorted(top.values(), reverse=True)
+        assert len(top) <= 2 and chosen <= best[0] + 1e-6 and best[0] <= 0
+    both = dict(model="tiny-chat", prompt=prompt, max_tokens=5, echo=True, logprobs=1, temperature=0)
+    whole = api.completions.create(**both)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + whole.usage.completion_tokens
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    streamed = list(api.completions.create(**both, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert [x for c in streamed for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_lm_eval_scores_each_choice_as_eval_py(server, reference, tmp_path, monkeypatch):
+    """lm-eval's local-completions model (a real client, with the server's remote tokenizer) runs a multiple-choice
+    task from a local file: each choice's log-likelihood equals eval.py's of the same tokens."""
+    url, _ = server
+    model, tokenizer = reference
+    questions = [
+        ("The capital of France is", ["Paris", "Rome", "Madrid"], 0),
+        ("Two plus two is", ["three", "four", "five"], 1),
+        ("The color of the sky is", ["green", "red", "blue"], 2),
+        ("Water freezes at zero degrees", ["Fahrenheit", "Celsius", "Kelvin"], 1),
+    ]
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "choices": c, "answer": a}) + "\n" for q, c, a in questions))
+    task = {
+        "task": "tiny_choices",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{q}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc"}],
+    }
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": url + "/v1/completions", "model": "tiny-chat", "max_retries": 1},
+        tasks=[task],
+        log_samples=True,
+    )
+    samples = results["samples"]["tiny_choices"]
+    assert len(samples) == len(questions)
+    for sample in samples:
+        q, choices, _ = questions[sample["doc_id"]]
+        for choice, (loglikelihood, _) in zip(choices, (r[0] for r in sample["resps"])):
+            # lm-eval's split: the context's tokens, then the whole text's after them
+            context = tokenizer.encode(q, bos=False)
+            whole = tokenizer.encode(q + " " + choice, bos=False)
+            scores = text_logprobs(model, whole, len(whole), len(whole) - 1)
+            assert loglikelihood == pytest.approx(sum(scores[len(context) - 1 :]), abs=1e-4), (q, choice)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        "married": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pets", "married"],
+    "additionalProperties": False,
+}
+
+
+class Point(pydantic.BaseModel):
+    x: int = pydantic.Field(ge=-50, le=50)
+    label: str = pydantic.Field(max_length=6)
+
+
+def test_structured_output_follows_its_schema_and_free_rows_stay_as_alone(server, reference):
+    """A random model's sampled output under a JSON schema always parses and validates; the openai package's
+    parse() gets its pydantic object; regex, choice and GBNF constraints hold; and free rows decoding beside
+    constrained ones give the same greedy text as alone."""
+    url, _ = server
+    api = client(url)
+    _, tokenizer = reference
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    texts = []
+    for seed in (1, 2):
+        answer = api.chat.completions.create(
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "Describe a person."}],
+            response_format=schema,
+            n=10,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,  # more than the longest text the schema allows
+        )
+        texts += [c.message.content for c in answer.choices]
+        assert all(c.finish_reason == "stop" for c in answer.choices)
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 10  # sampled, not one text
+    parsed = api.chat.completions.parse(
+        model="tiny-chat", messages=[{"role": "user", "content": "A point."}], response_format=Point, max_tokens=100
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Point)
+    # Any JSON object: its strings are unbounded, so a random model ends about a third of them within max_tokens.
+    anything = api.completions.create(
+        model="tiny-chat",
+        prompt="{",
+        max_tokens=80,
+        n=16,
+        seed=3,
+        temperature=1,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    ended = [c.text for c in anything.choices if c.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(t), dict) for t in ended)
+    for field, value, check in [
+        ("guided_regex", r"[0-9]{3}-[a-z]{2}", lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+        ("guided_choice", ["yes", "no", "maybe"], lambda t: t in ("yes", "no", "maybe")),
+        ("guided_grammar", 'root ::= "(" [a-c]{1,3} ")"', lambda t: re.fullmatch(r"\([a-c]{1,3}\)", t)),
+    ]:
+        out = api.completions.create(
+            model="tiny-chat", prompt="x", max_tokens=20, n=4, temperature=1, seed=5, extra_body={field: value}
+        )
+        assert all(check(c.text) for c in out.choices), (field, [c.text for c in out.choices])
+
+    # Free greedy rows in the same steps as constrained sampled ones.
+    free = PROMPTS[:4]
+    expected = [greedy_reference(reference, tokenizer.encode(p), 24) for p in free]
+    results = {}
+
+    def run(i):
+        if i < len(free):
+            c = client(url).completions.create(model="tiny-chat", prompt=free[i], max_tokens=24, temperature=0)
+            results[i] = c.choices[0].text, c.choices[0].finish_reason
+        else:
+            client(url).completions.create(
+                model="tiny-chat", prompt="{", max_tokens=60, n=3, temperature=1, extra_body={"guided_json": PERSON}
+            )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(free) + 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(free))] == expected
+
+
 def test_sampling_fields(server, reference):
     url, _ = server
     api = client(url)
@@ -309,7 +589,8 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
         (text, b"[1, 2]", None),
         (text, b'"text"', None),
         (text, {"prompt": "x", "model": "gpt-4"}, "model"),
-        (text, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (text, {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # scoring only: needs echo
+        (text, {"prompt": "x", "echo": "yes"}, "echo"),
         (text, {"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
         (chat, {"messages": user, "max_completion_tokens": -1}, "max_completion_tokens"),
         (text, {"prompt": "x", "temperature": -0.5}, "temperature"),
@@ -319,7 +600,18 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
         (chat, {"messages": []}, "messages"),
         (chat, {"messages": "hi"}, "messages"),
         (chat, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-        (chat, {"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content"),
+        (chat, {"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+        (chat, {"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+        (chat, {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
+        (chat, {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+        (text, {"prompt": "\ud800"}, "prompt"),
+        (text, b"[" * 100000 + b"]" * 100000, None),
+        (text, b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", None),
         (text, {"prompt": "x " * 400}, "prompt"),
         (text, {"prompt": "x", "stop": ["a"] * 17}, "stop"),
         (text, {"prompt": "x", "stop": [""]}, "stop"),
@@ -330,12 +622,34 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
         (text, {}, "prompt"),
         (chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (text, {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"),
+        (
+            chat,
+            {"messages": user, "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}},
+            "response_format",
+        ),
+        (chat, {"messages": user, "response_format": {"type": "yaml"}}, "response_format"),
+        (text, {"prompt": "x", "guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
+        (text, {"prompt": "x", "guided_json": 5}, "guided_json"),
+        (text, {"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
+        (text, {"prompt": "x", "guided_choice": []}, "guided_choice"),
+        (text, {"prompt": "x", "guided_grammar": "root ::= ("}, "guided_grammar"),
+        (text, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ]
     for endpoint, body, param in cases:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = httpx.post(endpoint, content=data, headers=auth | {"Content-Type": "application/json"})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param and r.json()["error"]["message"], (body, r.text)
+    for endpoint, body, param in [
+        ("/tokenize", {}, "content"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": "hi"}, "messages"),
+        ("/detokenize", {"tokens": "hi"}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ]:
+        r = httpx.post(url + endpoint, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (endpoint, body, r.text)
     r = httpx.post(text, content=b'{"prompt": "' + b"x" * (1 << 20) + b'"}', headers=auth)
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
     assert httpx.get(url + "/v1/models").status_code == 401

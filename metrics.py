@@ -1,0 +1,70 @@
+"""The server's Prometheus metrics (GET /metrics): requests, tokens, latencies, and the engine's queue, slots and
+speculation, in a registry of the server's own, read at each scrape.
+"""
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from engine import Engine
+
+PREFIX = "gptfast_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry
+    requests: Counter  # by endpoint and HTTP status
+    prompt_tokens: Counter
+    cached_prompt_tokens: Counter
+    generation_tokens: Counter
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+
+
+class SpeculationCollector:
+    """Speculative decoding's drafted and accepted tokens, read from the engine at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.speculation
+        if s is None:
+            return
+        yield CounterMetricFamily(PREFIX + "speculative_drafted_tokens", "Tokens the draft proposed.", s.drafted)
+        yield CounterMetricFamily(PREFIX + "speculative_accepted_tokens", "Drafted tokens the model kept.", s.kept)
+
+
+def server_metrics(engine: Engine) -> Metrics:
+    registry = CollectorRegistry()
+    gauges = {
+        "queue_length": ("Choices waiting for a slot.", engine.waiting.qsize),
+        "busy_slots": ("Slots decoding a request.", lambda: len(engine.busy_slots())),
+        "slots": ("Slots of the KV cache (--max_batch_size).", lambda: len(engine.slots)),
+    }
+    for name, (text, read) in gauges.items():
+        Gauge(PREFIX + name, text, registry=registry).set_function(read)
+    registry.register(SpeculationCollector(engine))
+    return Metrics(
+        registry,
+        Counter(PREFIX + "requests", "Requests answered.", ["endpoint", "status"], registry=registry),
+        Counter(PREFIX + "prompt_tokens", "Prompt tokens of answered requests.", registry=registry),
+        Counter(PREFIX + "cached_prompt_tokens", "Prompt tokens found in a slot's cache.", registry=registry),
+        Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=registry),
+        Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=registry,
+        ),
+        Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Between two tokens of a choice.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        ),
+    )
