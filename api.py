@@ -1,34 +1,35 @@
 """The OpenAI API of the server: a request's body checked into a Job (ApiError, naming the field, when it
-cannot be), and the answer objects built from the engine's events (completions, chat completions, and their
-streamed chunks).
+cannot be): prompts, sampling, log-probs, tools, structured output; and the tokenizer routes (answers.py builds
+the answers).
 """
 
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 from chat import encode_conversation
-from engine import MAX_TOP_LOGPROBS, Choice, Engine, Event
-from grammar import choice_grammar, grammar_error, json_grammar, regex_grammar, text_grammar
-from results import TokenLogprobs
+from chat_reply import THINK, ReplyFormat, reply_format, tool_call_grammar
+from engine import MAX_TOP_LOGPROBS, Engine
+from grammar import after_reasoning, choice_grammar, grammar_error, json_grammar, regex_grammar, text_grammar
 from sampling import SamplingParams, check_seed
 from tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 # Every field of OpenAI's chat and completions requests, and the extensions, by what the server does with it
 # (docs/serving.md has the table; tests/test_server.py walks it against the openai package's request types).
 HONOURED = set(
     "model messages prompt max_tokens max_completion_tokens temperature top_p n stop seed presence_penalty "
     "frequency_penalty logprobs top_logprobs echo stream stream_options top_k min_p repetition_penalty "
-    "response_format guided_json guided_regex guided_choice guided_grammar".split()
+    "response_format guided_json guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls "
+    "chat_template_kwargs".split()
 )
-CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's names
+CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # OpenAI's, vLLM's
 # Fields this server cannot honour, with the values that ask for nothing: any other value is refused with a 400.
 UNSUPPORTED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -42,7 +43,7 @@ UNSUPPORTED = {
 # Fields accepted with no effect: the OpenAI platform's bookkeeping and settings of its own models.
 NO_EFFECT = set(
     "user store metadata safety_identifier service_tier prompt_cache_key prompt_cache_retention prompt_cache_options "
-    "verbosity reasoning_effort moderation parallel_tool_calls".split()
+    "verbosity reasoning_effort moderation".split()
 )
 log = logging.getLogger("server")
 
@@ -129,24 +130,129 @@ def message_text(content, name: str) -> str:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    """The request's messages as the chat template takes them: {"role", "content": str}."""
+    """The request's messages as transformers' chat templates take them: {"role", "content": str}, an assistant's
+    tool calls with their arguments as objects, a tool's result with its tool_call_id."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", "messages")
     checked = []
     for i, m in enumerate(messages):
+        name = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+            raise ApiError(f"{name}.role must be one of {', '.join(ROLES)}", f"{name}.role")
         # A developer message is what newer OpenAI clients send in place of a system one.
         role = "system" if m["role"] == "developer" else m["role"]
-        checked.append({"role": role, "content": message_text(m.get("content"), f"messages[{i}].content")})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = m.get("content")
+        message = {
+            "role": role,
+            "content": "" if content is None and calls else message_text(content, f"{name}.content"),
+        }
+        if calls is not None:
+            message["tool_calls"] = assistant_calls(calls, f"{name}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ApiError(f"{name}.tool_call_id must be the id of the call this answers", f"{name}.tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        checked.append(message)
     return checked
 
 
-def chat_prompt(body: dict, tokenizer: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
-    messages = chat_messages(body)
+def assistant_calls(calls, name: str) -> list[dict]:
+    """An assistant message's tool_calls, with each call's arguments (JSON text) as the object the templates print."""
+    if not isinstance(calls, list):
+        raise ApiError(f"{name} must be a list of tool calls", name)
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        try:
+            arguments = json.loads(function["arguments"])
+            assert isinstance(function["name"], str) and isinstance(arguments, dict)
+        except (TypeError, KeyError, ValueError, AssertionError):
+            raise ApiError(
+                f'{name}[{j}] must be {{"id", "type": "function", "function": {{"name", "arguments": JSON text of '
+                "an object}}",
+                f"{name}[{j}]",
+            ) from None
+        checked.append(
+            {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
+    return checked
+
+
+@dataclass
+class ToolUse:
+    """What a chat request lets the model do with its tools."""
+
+    tools: list[dict]  # as given: [{"type": "function", "function": {"name", "description", "parameters"}}]
+    choice: str  # "auto", "required", or the name of the function it must call
+    parallel: bool
+
+
+def tool_use(body: dict, fmt: ReplyFormat) -> ToolUse | None:
+    """tools, tool_choice and parallel_tool_calls -> ToolUse, or None where no tool may be called."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none"):
+            raise ApiError("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError('tools must be a list of {"type": "function", "function": {"name", "parameters"}}', "tools")
+    names = []
+    for j, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            tool.get("type") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not FUNCTION_NAME.fullmatch(function["name"])
+            or not isinstance(function.get("parameters", {}), dict)
+            or not isinstance(function.get("description", ""), str)
+        ):
+            raise ApiError(
+                f'tools[{j}] must be {{"type": "function", "function": {{"name" (letters, digits, _ and -; at most '
+                '64), "description", "parameters": a JSON schema}}',
+                f"tools[{j}]",
+            )
+        names.append(function["name"])
+    if len(set(names)) < len(names):
+        raise ApiError("tools must have different names", "tools")
+    choice = "auto" if choice is None else choice
+    if isinstance(choice, dict):
+        named = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or named not in names:
+            raise ApiError(
+                'tool_choice must name one of the tools: {"type": "function", "function": {"name"}}', "tool_choice"
+            )
+        choice = named
+    elif choice not in ("none", "auto", "required"):
+        raise ApiError('tool_choice must be "none", "auto", "required" or {"type": "function", ...}', "tool_choice")
+    if choice == "none":
+        return None
+    if fmt.tools is None:
+        raise ApiError("tools: this model's chat template does not support tools", "tools")
+    return ToolUse(tools, choice, flag(body, "parallel_tool_calls", True))
+
+
+def template_kwargs(body: dict, tokenizer: Tokenizer) -> dict:
+    """chat_template_kwargs: more variables for the template (e.g. Qwen3's enable_thinking)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    reserved = {"messages", "tools", "add_generation_prompt"} | tokenizer.special_tokens.keys()
+    if not isinstance(kwargs, dict) or reserved & kwargs.keys():
+        raise ApiError(
+            f"chat_template_kwargs must be an object without {', '.join(sorted(reserved))}", "chat_template_kwargs"
+        )
+    return kwargs
+
+
+def chat_prompt(
+    body: dict, tokenizer: Tokenizer, add_generation_prompt: bool = True, tools: ToolUse | None = None
+) -> list[int]:
+    messages, kwargs = chat_messages(body), template_kwargs(body, tokenizer)
+    if tools is not None:
+        kwargs["tools"] = tools.tools
     try:
-        return encode_conversation(tokenizer, messages, add_generation_prompt)
+        return encode_conversation(tokenizer, messages, add_generation_prompt, **kwargs)
     except ValueError as e:  # the template refused the conversation, or the text is not valid UTF-8
         raise ApiError(str(e), "messages") from None
 
@@ -174,10 +280,15 @@ def completion_prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> lis
     return rows
 
 
-def output_grammar(body: dict, engine: Engine) -> str | None:
-    """The llguidance grammar the request's output must follow, from response_format (json_object, or json_schema) or
-    vLLM's guided_json (a schema), guided_regex, guided_choice (strings) and guided_grammar (Lark or GBNF)."""
+def output_grammar(
+    body: dict, engine: Engine, tools: ToolUse | None, fmt: ReplyFormat, in_reasoning: bool
+) -> str | None:
+    """The llguidance grammar the request's output must follow, from response_format (json_object, or json_schema),
+    vLLM's guided_json (a schema), guided_regex, guided_choice (strings) and guided_grammar (Lark or GBNF), or a
+    tool_choice that demands a call; after the reasoning where the reply starts inside <think>."""
     asked = [name for name in CONSTRAINTS if body.get(name) not in (None, {"type": "text"})]
+    if tools is not None and tools.choice != "auto":
+        asked.append("tool_choice")
     if not asked:
         return None
     if len(asked) > 1:
@@ -186,10 +297,16 @@ def output_grammar(body: dict, engine: Engine) -> str | None:
     if engine.vocabulary is None:
         raise ApiError(f"{name} needs the checkpoint's tokenizer.json, which this model lacks", name)
     try:
-        grammar = constraint_grammar(name, value)
+        if name == "tool_choice":
+            functions = [t["function"] for t in tools.tools if tools.choice in ("required", t["function"]["name"])]
+            grammar = tool_call_grammar(fmt.tools, functions, tools.parallel, engine.tokenizer.token_to_id)
+        else:
+            grammar = constraint_grammar(name, value)
     except ValueError as e:  # a grammar llguidance cannot read
         raise ApiError(f"{name}: {e}", name) from None
+    grammar = after_reasoning(grammar) if in_reasoning else grammar
     if error := grammar_error(grammar, engine.vocabulary):
+        name = "tools" if name == "tool_choice" else name  # a function's parameters schema
         raise ApiError(f"{name} is not supported as given: {error.strip()}", name)
     return grammar
 
@@ -235,6 +352,9 @@ class Job:
     include_usage: bool
     echo: bool  # completions: the answer starts with the prompt (with log-probs asked, the prompt's log-probs too)
     grammar: str | None  # what the output must follow (grammar.py), or None
+    reply_format: ReplyFormat  # chat: how the template's replies hold reasoning and tool calls
+    tools: ToolUse | None  # chat: the tools the model may call
+    in_reasoning: bool  # chat: the prompt opened <think>, so the reply starts inside it
 
     @property
     def score_prompt(self) -> bool:
@@ -250,11 +370,14 @@ def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
         raise ApiError(f"the model {json.dumps(model)} does not exist; this server has {model_name}", "model")
     for name, harmless in UNSUPPORTED.items():
         if body.get(name) not in harmless:
-            raise ApiError(f"{name} is not supported by this server", name)
+            instead = "; use tools, which replace it" if name.startswith("function") else ""
+            raise ApiError(f"{name} is not supported by this server{instead}", name)
     for name in sorted(body.keys() - HONOURED - UNSUPPORTED.keys() - NO_EFFECT):
         log.info("request field %s is unknown to this server: ignored", json.dumps(name))
+    fmt = reply_format(engine.tokenizer.chat_template)
+    tools = tool_use(body, fmt) if chat else None
     if chat:
-        prompts = [chat_prompt(body, engine.tokenizer)]
+        prompts = [chat_prompt(body, engine.tokenizer, tools=tools)]
         if body.get("logprobs") not in (None, True, False):
             raise ApiError("logprobs must be true or false", "logprobs")
         top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if body.get("logprobs") else None
@@ -275,8 +398,13 @@ def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
     longest = max(map(len, prompts))
     max_tokens = reply_length(body, "messages" if chat else "prompt", longest, engine.context, int(not echo))
     include_usage = options.get("include_usage") is True
-    params, stop, grammar = sampling_settings(body), stop_strings(body), output_grammar(body, engine)
-    return Job(chat, prompts, n, max_tokens, params, stop, top, stream, include_usage, echo, grammar)
+    # 16 tokens hold at least 16 characters: enough to see whether the prompt ends with <think> (and a newline)
+    in_reasoning = chat and fmt.reasoning and engine.tokenizer.decode(prompts[0][-16:]).rstrip().endswith(THINK)
+    params, stop = sampling_settings(body), stop_strings(body)
+    grammar = output_grammar(body, engine, tools, fmt, in_reasoning)
+    return Job(
+        chat, prompts, n, max_tokens, params, stop, top, stream, include_usage, echo, grammar, fmt, tools, in_reasoning
+    )
 
 
 def reply_length(body: dict, prompt_field: str, longest: int, context: int, least: int) -> int:
@@ -310,12 +438,13 @@ def flag(body: dict, name: str, default: bool) -> bool:
 
 
 def tokenize(body, tokenizer: Tokenizer, max_model_len: int) -> dict:
-    """POST /tokenize, as vLLM takes it (prompt, or messages through the chat template; add_special_tokens) and
-    llama.cpp (content; add_special)."""
+    """POST /tokenize, as vLLM takes it (prompt, or messages and tools through the chat template;
+    add_special_tokens) and llama.cpp (content; add_special)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     if body.get("messages") is not None:
-        tokens = chat_prompt(body, tokenizer, flag(body, "add_generation_prompt", True))
+        tools = tool_use(body, reply_format(tokenizer.chat_template))
+        tokens = chat_prompt(body, tokenizer, flag(body, "add_generation_prompt", True), tools)
     else:
         name = "prompt" if "prompt" in body else "content"
         text = body.get(name)
@@ -342,70 +471,3 @@ def detokenize(body, tokenizer: Tokenizer, vocab_size: int) -> dict:
         raise ApiError("the request body must be a JSON object")
     text = tokenizer.decode(token_ids(body, "tokens", vocab_size))
     return {"prompt": text, "content": text}
-
-
-# ---------------------------------------------------------------- answers
-
-
-def logprobs_object(job: Job, tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> dict:
-    """A choice's (or a chunk's) log-probs as the chat API gives them, or the completions API."""
-    return chat_logprobs(tokenizer, entries) if job.chat else completion_logprobs(tokenizer, entries)
-
-
-def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> dict:
-    def item(token, logprob):
-        text = tokenizer.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(*t) for t in e.top]} for e in entries]}
-
-
-def completion_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> dict:
-    tokens = [tokenizer.decode([e.token]) for e in entries]
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [None if e.top is None else {tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
-        "text_offset": [sum(map(len, tokens[:i])) for i in range(len(tokens))],
-    }
-
-
-def object_name(job: Job, chunk: bool) -> str:
-    if job.chat:
-        return "chat.completion.chunk" if chunk else "chat.completion"
-    return "text_completion"
-
-
-def chunk_choice(job: Job, tokenizer: Tokenizer, event: Event) -> dict:
-    """A streamed event as a chunk's choice."""
-    lp = None if event.logprobs is None else logprobs_object(job, tokenizer, [event.logprobs])
-    text = {"delta": {"content": event.text}} if job.chat else {"text": event.text}
-    return {"index": event.index, **text, "logprobs": lp, "finish_reason": event.finish_reason}
-
-
-def echo_choice(tokenizer: Tokenizer, c: Choice, prompt: list[TokenLogprobs] | None) -> dict:
-    """A streamed completion's chunk with echo, before a choice's first token: the prompt (and its log-probs)."""
-    lp = None if prompt is None else completion_logprobs(tokenizer, prompt)
-    return {"index": c.index, "text": tokenizer.decode(c.ids), "logprobs": lp, "finish_reason": None}
-
-
-def answer_choice(job: Job, tokenizer: Tokenizer, c: Choice, text: str, entries: list[TokenLogprobs], reason: str):
-    """A choice of a non-streamed answer: its whole text (after the prompt's, with echo) and log-probs."""
-    lp = None if job.top_logprobs is None else logprobs_object(job, tokenizer, entries)
-    if job.chat:
-        content = {"message": {"role": "assistant", "content": text}}
-    else:
-        content = {"text": (tokenizer.decode(c.ids) if job.echo else "") + text}
-    return {"index": c.index, **content, "logprobs": lp, "finish_reason": reason}
-
-
-def usage(job: Job, choices: list[Choice]) -> dict:
-    prompt = sum(len(p) for p in job.prompts)
-    completion = sum(len(c.tokens) for c in choices)
-    reused = sum(c.reused for c in choices if c.index % job.n == 0)  # of each prompt's first choice, as prompt_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": reused},
-    }

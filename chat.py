@@ -24,11 +24,13 @@ def cached_prefix(cached: list[int], ids: list[int]) -> int:
     return n
 
 
-def encode_conversation(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Messages ({"role", "content"}) -> the prompt of the reply: by the chat template, or without one, the
-    messages' contents joined by newlines (a base model continues the conversation's text)."""
+def encode_conversation(
+    tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+) -> list[int]:
+    """Messages ({"role", "content"}) -> the prompt of the reply: by the chat template (kwargs: more of its variables,
+    such as tools), or without one, the messages' contents joined by newlines (a base model continues the text)."""
     if tokenizer.chat_template:
-        return tokenizer.encode_chat(messages, add_generation_prompt)
+        return tokenizer.encode_chat(messages, add_generation_prompt, **kwargs)
     return tokenizer.encode("\n".join(m["content"] for m in messages))
 
 

@@ -3,6 +3,7 @@ a choice of strings, a Lark or GBNF grammar) as llguidance grammars, and per cho
 mask the row's logits in the sampler (SamplerState.allowed). docs/serving.md has the per-token cost measured.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,9 @@ from llguidance import LLMatcher, LLTokenizer, grammar_from
 # JSON as json.dumps writes it: one space after ":" and ",", and no other whitespace, which a weak model could
 # otherwise repeat until max_tokens.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Free text up to the first </think> (the text ending with it, less those that go on past another), a blank line,
+# then the grammar named answer: Qwen3's layout of a reply whose template opened <think>.
+REASONING_FIRST = 'start: REASONING "\\n\\n" @answer\nREASONING: /(?s:.*)<\\/think>/ & ~/(?s:.*)<\\/think>(?s:.+)/'
 
 
 def grammar_vocabulary(tokenizer_file: Path, vocab_size: int, eos_ids: list[int]) -> LLTokenizer:
@@ -35,6 +39,13 @@ def choice_grammar(choices: list[str]) -> str:
 def text_grammar(text: str) -> str:
     """A Lark grammar, or a GBNF one (llama.cpp's), which llguidance converts."""
     return grammar_from("grammar", text)
+
+
+def after_reasoning(grammar: str) -> str:
+    """grammar, for a reply that starts inside <think>: it applies once the reasoning has ended."""
+    answer = json.loads(grammar)["grammars"] if grammar.startswith("{") else [{"lark_grammar": grammar}]
+    answer[0]["name"] = "answer"
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": REASONING_FIRST}] + answer})
 
 
 def grammar_error(grammar: str, vocabulary: LLTokenizer) -> str:

@@ -5,8 +5,8 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not), POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus), GET /health, GET /. The routes are here; api.py
-checks requests and builds answers, engine.py batches the requests' decoding in a thread of its own (it explains
-slots, prefix reuse and speculative decoding), metrics.py holds the counters.
+checks requests, answers.py builds the answers, engine.py batches the requests' decoding in a thread of its own (it
+explains slots, prefix reuse, grammar masks and speculative decoding), metrics.py holds the counters.
 """
 
 import argparse
@@ -27,19 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api import (
-    ApiError,
-    Job,
-    answer_choice,
-    chunk_choice,
-    detokenize,
-    echo_choice,
-    object_name,
-    parse_job,
-    tokenize,
-    tokenizer_info,
-    usage,
-)
+from answers import Streamed, answer_choice, chunk_choice, echo_choice, object_name, role_choice, usage
+from api import ApiError, Job, detokenize, parse_job, tokenize, tokenizer_info
 from checkpoint import (
     DEFAULT_CHECKPOINT,
     DEFAULT_DEVICE,
@@ -277,19 +266,16 @@ async def streamed_answer(reply: Reply, first: Event, events: AsyncIterator[Even
         return f"data: {json.dumps(reply.head | {'object': object_name(job, True), 'choices': choices} | extra)}\n\n"
 
     try:
-        for c in reply.choices:
-            if job.chat:  # the role comes first, in a chunk of its own, as OpenAI sends it
-                yield chunk(
-                    [chunk_choice(job, tokenizer, Event(c.index)) | {"delta": {"role": "assistant", "content": ""}}]
-                )
-        event, echoed = first, set()
+        if job.chat:
+            for c in reply.choices:
+                yield chunk([role_choice(c)])
+        event, echoed, streamed = first, set(), {c.index: Streamed() for c in reply.choices}
         while event is not None:
             if job.echo and event.index not in echoed:  # a choice's prompt comes before its first token
                 echoed.add(event.index)
                 yield chunk([echo_choice(tokenizer, reply.choices[event.index], event.prompt_logprobs)])
-            # A token may complete no text yet (part of a character, or the start of a possible stop string).
-            if event.text or event.finish_reason or event.logprobs:
-                yield chunk([chunk_choice(job, tokenizer, event)])
+            if shown := chunk_choice(job, tokenizer, event, streamed[event.index]):
+                yield chunk([shown])
             event = await anext(events, None)
         if job.include_usage:
             yield chunk([], usage=usage(job, reply.choices))

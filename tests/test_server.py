@@ -1,5 +1,6 @@
 """server.py: the OpenAI API through the official client, continuous batching, disconnects, bad input, the chat page."""
 
+import contextlib
 import json
 import queue
 import re
@@ -21,6 +22,10 @@ import torch
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from prometheus_client.parser import text_string_to_metric_families
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
+from transformers import PreTrainedTokenizerFast
 
 from api import HONOURED, NO_EFFECT, UNSUPPORTED
 from chat import encode_conversation
@@ -30,6 +35,7 @@ from decode import Steps, Stream, compile_steps
 from engine import Choice, Engine
 from eval import text_logprobs
 from generate import generate, load_model
+from grammar import grammar_vocabulary, new_matcher, regex_grammar
 from sampling import SamplingParams
 from tokenizer import load_tokenizer
 
@@ -256,8 +262,6 @@ def test_every_openai_field_is_honoured_refused_or_documented(server):
     tables = [HONOURED, set(UNSUPPORTED), NO_EFFECT]
     assert all(sum(f in t for t in tables) == 1 for f in fields), [f for f in fields if not any(f in t for t in tables)]
     asking = {
-        "tools": [{"type": "function", "function": {"name": "f"}}],
-        "tool_choice": "auto",
         "functions": [{"name": "f"}],
         "function_call": "auto",
         "logit_bias": {"5": 10},
@@ -280,7 +284,6 @@ def test_every_openai_field_is_honoured_refused_or_documented(server):
         "verbosity": "low",
         "reasoning_effort": "low",
         "moderation": "auto",
-        "parallel_tool_calls": False,
     }
     assert asking.keys() == UNSUPPORTED.keys() and idle.keys() == NO_EFFECT
     for name, value in asking.items():
@@ -465,6 +468,143 @@ def test_structured_output_follows_its_schema_and_free_rows_stay_as_alone(server
     assert [results[i] for i in range(len(free))] == expected
 
 
+# Qwen2.5's chat template (tools in Hermes' <tool_call> format) with Qwen3's thinking switch (enable_thinking, off
+# unless asked for here).
+TOOLS_TEMPLATE = ROOT / "tests" / "fixtures" / "qwen_tools_thinking.jinja"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tools_server(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tools") / "tiny-tools"
+    shutil.copytree(tiny_checkpoint, folder)
+    shutil.copy(TOOLS_TEMPLATE, folder / "chat_template.jinja")
+    config = json.loads((folder / "config.json").read_text())  # room for the template's tool instructions
+    (folder / "config.json").write_text(json.dumps(config | {"block_size": 2048}))
+    process, url, log = start_server(folder / "model.pth", folder.parent, "--max_batch_size", "4")
+    yield url, folder
+    stop_server(process, log)
+
+
+def test_tool_round_trip_through_openai(tools_server):
+    """A random model's forced tool call comes back well-formed (tool_choice required, or a named function),
+    streamed pieces join to the whole call, and the next turn (the call, then the tool's result) renders as
+    transformers renders it."""
+    url, folder = tools_server
+    api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    ask = dict(
+        model="tiny-tools",
+        messages=messages,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1,
+        seed=11,
+        max_tokens=150,
+    )
+    answer = api.chat.completions.create(**ask)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+    pieces = {}
+    for chunk in api.chat.completions.create(**ask, stream=True):
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            whole = pieces.setdefault(piece.index, {"name": "", "arguments": ""})
+            whole["name"] += piece.function.name or ""
+            whole["arguments"] += piece.function.arguments or ""
+        reasons = [c.finish_reason for c in chunk.choices if c.finish_reason]
+    assert reasons == ["tool_calls"] and pieces == {
+        0: {"name": call.function.name, "arguments": call.function.arguments}
+    }
+    named = api.chat.completions.create(**ask | {"tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+
+    turn = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    final = api.chat.completions.create(**ask | {"messages": turn, "tool_choice": "auto", "max_tokens": 8})
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    as_template_gets_it = [
+        m
+        | {
+            "tool_calls": [
+                c | {"function": c["function"] | {"arguments": json.loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
+        }
+        if m.get("tool_calls")
+        else m
+        for m in turn
+    ]
+    rendered = hf.apply_chat_template(
+        as_template_gets_it,
+        tools=[WEATHER, CLOCK],
+        tokenize=False,
+        add_generation_prompt=True,
+        chat_template=TOOLS_TEMPLATE.read_text(),
+    )
+    ours = httpx.post(url + "/tokenize", json={"messages": turn, "tools": [WEATHER, CLOCK]}).json()
+    assert ours["tokens"] == hf.encode(rendered, add_special_tokens=False)
+    assert final.usage.prompt_tokens == len(ours["tokens"])
+
+
+def test_reasoning_is_split_from_content(tools_server):
+    """A reply's <think>...</think> is its reasoning_content, streamed or not (here a regex makes the random model
+    write one); with the template's <think> open (enable_thinking), the reply starts as reasoning."""
+    url, _ = tools_server
+    api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ask = dict(
+        model="tiny-tools",
+        messages=[{"role": "user", "content": "Think first."}],
+        temperature=1,
+        seed=4,
+        max_tokens=40,
+        extra_body={"guided_regex": "<think>[a-z]{3,8}</think>\n\n[a-z]{3,8}"},
+    )
+    message = api.chat.completions.create(**ask).choices[0].message
+    reasoning, content = message.model_extra["reasoning_content"], message.content
+    assert re.fullmatch("[a-z]{3,8}", reasoning) and re.fullmatch("[a-z]{3,8}", content)
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in api.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta.model_dump() if chunk.choices else {}
+        for key in streamed:
+            streamed[key] += delta.get(key) or ""
+    assert streamed == {"reasoning_content": reasoning, "content": content}
+    thinking = api.chat.completions.create(
+        **ask | {"max_tokens": 6, "extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}
+    )
+    message = thinking.choices[0].message
+    assert message.content == "" and message.model_extra["reasoning_content"], message
+
+
 def test_sampling_fields(server, reference):
     url, _ = server
     api = client(url)
@@ -580,7 +720,7 @@ def test_concurrent_streams_each_equal_alone_and_a_late_one_starts_early(server,
 
 
 def test_bad_inputs_get_errors_and_the_server_goes_on(server):
-    url, _ = server
+    url, log = server
     auth = {"Authorization": f"Bearer {KEY}"}
     chat, text = url + "/v1/chat/completions", url + "/v1/completions"
     user = [{"role": "user", "content": "hi"}]
@@ -634,6 +774,34 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
         (text, {"prompt": "x", "guided_choice": []}, "guided_choice"),
         (text, {"prompt": "x", "guided_grammar": "root ::= ("}, "guided_grammar"),
         (text, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        (chat, {"messages": user, "tools": {"type": "function"}}, "tools"),
+        (chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0]"),
+        (chat, {"messages": user, "tool_choice": "required"}, "tool_choice"),
+        (
+            chat,
+            {
+                "messages": user,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (chat, {"messages": user, "functions": [{"name": "f"}]}, "functions"),
+        (chat, {"messages": user, "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),
+        (chat, {"messages": [{"role": "tool", "content": "1"}]}, "messages[0].tool_call_id"),
+        (
+            chat,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": "[1"}}],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0]",
+        ),
     ]
     for endpoint, body, param in cases:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -657,6 +825,8 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
     assert httpx.get(url + "/health").status_code == 200  # outside /v1: no key
     ok = httpx.post(text, json={"prompt": "x", "max_tokens": 2}, headers=auth)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    log.flush()
+    assert "Traceback" not in Path(log.name).read_text()
 
 
 @pytest.mark.skipif(not SMOLLM2_DIR.joinpath("model.pth").is_file(), reason="needs scripts/prepare.sh")
@@ -695,7 +865,8 @@ def test_disconnect_frees_the_slot_and_a_full_queue_answers_429(tmp_path):
 def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
     """The engine in-process, compiled: warm_up compiles the graphs of its few batch sizes (powers of two, greedy
     and sampled), and then requests of different lengths coming and going, greedy and sampled, over windows of
-    the cache of every length, compile nothing; each greedy request's text is its greedy text alone."""
+    the cache of every length, with grammars or without, compile nothing; each greedy request's text is its greedy
+    text alone."""
     model = load_model(tiny_checkpoint / "model.pth")
     tokenizer = load_tokenizer(tiny_checkpoint)
     engine = Engine(model, tokenizer, 4, 256, compile_steps(torch.device("cpu")), max_queue=8)
@@ -714,15 +885,20 @@ def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
     assert texts[::2] == [alone(p, n) for p, n in zip(PROMPTS[:6:2], lengths[::2])]
     texts = wave(PROMPTS[6:12], lengths[::-1], [greedy] * 6)
     assert texts == [alone(p, n) for p, n in zip(PROMPTS[6:12], lengths[::-1])]
+    vocabulary = grammar_vocabulary(tiny_checkpoint / "tokenizer.json", model.config.vocab_size, tokenizer.eos_ids)
+    words = [new_matcher(regex_grammar("[a-z]{3,12}"), vocabulary) if i % 2 == 0 else None for i in range(4)]
+    texts = wave(PROMPTS[:4], [40] * 4, [hot, greedy] * 2, words)
+    assert all(re.fullmatch("[a-z]{3,12}", t) for t in texts[::2]), texts
+    assert texts[1::2] == [alone(p, 40) for p in PROMPTS[1:4:2]]
     assert counters["stats"]["unique_graphs"] == 0
 
 
-def run_wave(engine, tokenizer, prompts, lengths, params) -> list[str]:
+def run_wave(engine, tokenizer, prompts, lengths, params, matchers=None) -> list[str]:
     """Submits one choice per prompt (text or token ids) to a running engine at once; their texts."""
     events = queue.Queue()
     choices = [
-        Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put)
-        for i, (p, n, q) in enumerate(zip(prompts, lengths, params))
+        Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put, matcher=m)
+        for i, (p, n, q, m) in enumerate(zip(prompts, lengths, params, matchers or [None] * len(prompts)))
     ]
     engine.submit(choices)
     texts, done = [""] * len(choices), 0
@@ -848,6 +1024,10 @@ def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelate
             assert (answer.choices[0].text, answer.choices[0].finish_reason) == expected
         speculation = httpx.get(url + "/health").json()["speculation"]
         assert speculation["speculate_k"] == 3 and sum(speculation["accepted_length_histogram"]) > 0
+        samples = metric_samples(url)
+        drafted = samples[("gptfast_speculative_drafted_tokens_total", ())]
+        assert drafted == 3 * sum(speculation["accepted_length_histogram"])
+        assert samples[("gptfast_speculative_accepted_tokens_total", ())] / drafted == speculation["acceptance_rate"]
     finally:
         stop_server(process, log)
     refused = subprocess.run(
@@ -866,17 +1046,14 @@ def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelate
     assert refused.returncode == 1 and refused.stderr.strip().splitlines()[-1].startswith("error: the draft")
 
 
-def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
-    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_path):
+@contextlib.contextmanager
+def chromium(tmp_path):
+    """A headless Debian chromium driven by selenium (skips the test without one)."""
+    binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (binary and driver_path):
         pytest.skip("needs Debian's chromium and chromium-driver (scripts/test.sh installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    url, _ = server
     options = webdriver.ChromeOptions()
-    options.binary_location = chromium
+    options.binary_location = binary
     for flag in (
         "--headless",
         "--no-sandbox",
@@ -892,6 +1069,14 @@ def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
         options.add_argument(flag)
     browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
     try:
+        yield browser
+    finally:
+        browser.quit()
+
+
+def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
+    url, _ = server
+    with chromium(tmp_path) as browser:
         browser.get(url + "/")
         for field, value in [("api_key", KEY + "\t"), ("temperature", "0"), ("max_tokens", "40")]:
             browser.find_element(By.ID, field).clear()
@@ -911,5 +1096,22 @@ def test_chat_page_streams_a_reply_in_a_browser(server, tmp_path):
         )
         assert reply[0].get_property("textContent") == expected.choices[0].message.content
         assert len(browser.execute_script("return [...window.shown]")) >= 3, "the reply did not stream"
-    finally:
-        browser.quit()
+
+
+def test_chat_page_shows_a_tool_call_folded(tools_server, tmp_path):
+    url, _ = tools_server
+    with chromium(tmp_path) as browser:
+        browser.get(url + "/")
+        WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == "tiny-tools")
+        browser.find_element(By.CSS_SELECTOR, "details.controls-tools summary").click()
+        browser.find_element(By.ID, "tools").send_keys(json.dumps([WEATHER]))
+        Select(browser.find_element(By.ID, "tool_choice")).select_by_visible_text("required")
+        browser.find_element(By.ID, "input").send_keys("Weather in Oslo?\n")
+        WebDriverWait(browser, 60).until(lambda b: "tokens/s" in b.find_element(By.ID, "stats").text)
+        calls = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant details.tool-call")
+        assert calls, browser.page_source
+        for call in calls:  # parallel calls allowed: as many as the random model made, each well-formed
+            assert call.find_element(By.TAG_NAME, "summary").get_property("textContent") == "Tool call: get_weather"
+            arguments = call.find_element(By.TAG_NAME, "pre").get_property("textContent")
+            jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+            assert call.get_property("open") is False  # folded under its heading
