@@ -202,8 +202,8 @@ def tool_use(body: dict, fmt: ReplyFormat) -> ToolUse | None:
     for j, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if (
-            tool.get("type") != "function"
-            or not isinstance(function, dict)
+            not isinstance(function, dict)
+            or tool.get("type") != "function"
             or not isinstance(function.get("name"), str)
             or not FUNCTION_NAME.fullmatch(function["name"])
             or not isinstance(function.get("parameters", {}), dict)

@@ -775,6 +775,7 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
         (text, {"prompt": "x", "guided_grammar": "root ::= ("}, "guided_grammar"),
         (text, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
         (chat, {"messages": user, "tools": {"type": "function"}}, "tools"),
+        (chat, {"messages": user, "tools": ["get_weather"]}, "tools[0]"),
         (chat, {"messages": user, "tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0]"),
         (chat, {"messages": user, "tool_choice": "required"}, "tool_choice"),
         (
