@@ -1,4 +1,5 @@
-"""The server's engine: one thread that owns the model and a static KV cache of max_batch_size rows ("slots").
+"""The server's engine: one thread (server.py's main thread; Engine.thread in-process) that owns the model and a
+static KV cache of max_batch_size rows ("slots").
 
 A request's choices wait in a bounded queue for free slots; each is prefilled into its slot between two decode
 steps, then decodes with every other busy slot in one batch, and frees its slot when it ends or its client goes

@@ -16,6 +16,7 @@ import json
 import logging
 import queue
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -372,8 +373,17 @@ def main(argv=None):
         )
         if args.compile:
             engine.warm_up()
-        engine.thread.start()
         app = make_app(AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine)))
+        # HTTP is served from a thread of its own, and the engine runs here, in the thread that loaded and compiled the
+        # model: OpenMP keeps a pool of workers per thread that runs parallel work, and with two pools on the cores
+        # libgomp stops spinning between parallel regions, which halved a stream's tokens/s.
+        http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        serving = threading.Thread(target=http.run, name="http", daemon=True)
+        serving.start()
+        while not http.started:
+            if not serving.is_alive():
+                raise ValueError(f"cannot listen on {args.host}:{args.port} (uvicorn's error above)")
+            time.sleep(0.05)
         log.info(
             "serving %s on http://%s:%d (%d slots of %d positions%s)",
             path,
@@ -383,7 +393,7 @@ def main(argv=None):
             max_seq_length,
             f", draft {args.draft_checkpoint_path}" if draft else "",
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        engine.loop()
 
 
 if __name__ == "__main__":

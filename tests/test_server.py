@@ -830,6 +830,23 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
     assert "Traceback" not in Path(log.name).read_text()
 
 
+def test_a_port_in_use_ends_the_second_server_with_one_line(server, chat_checkpoint):
+    url, _ = server
+    port = url.rsplit(":", 1)[1]
+    second = subprocess.run(
+        [sys.executable, str(ROOT / "server.py"), "--checkpoint_path", str(chat_checkpoint), "--port", port],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert (
+        second.returncode == 1
+        and second.stderr.splitlines()[-1] == f"error: cannot listen on 127.0.0.1:{port} (uvicorn's error above)"
+    )
+    assert "Traceback" not in second.stderr and httpx.get(url + "/health").status_code == 200
+
+
 @pytest.mark.skipif(not SMOLLM2_DIR.joinpath("model.pth").is_file(), reason="needs scripts/prepare.sh")
 def test_disconnect_frees_the_slot_and_a_full_queue_answers_429(tmp_path):
     """One slot, one waiting place: a long stream holds the slot, a second request waits, a third gets 429; when
