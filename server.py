@@ -5,8 +5,9 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream or not), POST /tokenize,
 POST /detokenize, GET /tokenizer_info, GET /metrics (Prometheus), GET /health, GET /. The routes are here; api.py
-checks requests, answers.py builds the answers, engine.py batches the requests' decoding in a thread of its own (it
-explains slots, prefix reuse, grammar masks and speculative decoding), metrics.py holds the counters.
+checks requests, answers.py builds the answers, engine.py batches the requests' decoding in the main thread while
+uvicorn serves HTTP from another (it explains slots, prefix reuse, grammar masks and speculative decoding),
+metrics.py holds the counters.
 """
 
 import argparse
