@@ -25,7 +25,7 @@ HONOURED = set(
     "model messages prompt max_tokens max_completion_tokens temperature top_p n stop seed presence_penalty "
     "frequency_penalty logprobs top_logprobs echo stream stream_options top_k min_p repetition_penalty "
     "response_format guided_json guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls "
-    "chat_template_kwargs".split()
+    "chat_template_kwargs ignore_eos".split()
 )
 CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # OpenAI's, vLLM's
 # Fields this server cannot honour, with the values that ask for nothing: any other value is refused with a 400.
@@ -355,6 +355,7 @@ class Job:
     reply_format: ReplyFormat  # chat: how the template's replies hold reasoning and tool calls
     tools: ToolUse | None  # chat: the tools the model may call
     in_reasoning: bool  # chat: the prompt opened <think>, so the reply starts inside it
+    ignore_eos: bool = False  # EOS does not end a choice (vLLM's and llama.cpp's extension)
 
     @property
     def score_prompt(self) -> bool:
@@ -403,7 +404,21 @@ def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
     params, stop = sampling_settings(body), stop_strings(body)
     grammar = output_grammar(body, engine, tools, fmt, in_reasoning)
     return Job(
-        chat, prompts, n, max_tokens, params, stop, top, stream, include_usage, echo, grammar, fmt, tools, in_reasoning
+        chat,
+        prompts,
+        n,
+        max_tokens,
+        params,
+        stop,
+        top,
+        stream,
+        include_usage,
+        echo,
+        grammar,
+        fmt,
+        tools,
+        in_reasoning,
+        flag(body, "ignore_eos", False),
     )
 
 

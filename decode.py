@@ -45,13 +45,16 @@ def prefill(
     first_row: int = 0,
     kv_length: int | None = None,
     fused_rows: int = 1,
+    last: Tensor | None = None,
 ):
-    # x: [B, S] prompts in cache slots input_pos [S] of cache rows first_row..
-    # -> first new token [B, 1] (and its log-probs). fused_rows, here and in every step: the model's (1 when eager).
+    # x: [B, S] prompts in cache slots input_pos ([S], or [B, S] per row) of cache rows first_row..
+    # -> first new token [B, 1] (and its log-probs), from each row's last position, or from position last[b] of
+    # row b where rows are right-padded. fused_rows, here and in every step: the model's (1 when eager).
     logits = model(
-        x, input_pos, left_pad, last_only=True, first_row=first_row, kv_length=kv_length, fused_rows=fused_rows
+        x, input_pos, left_pad, last is None, first_row=first_row, kv_length=kv_length, fused_rows=fused_rows
     )
-    return sample(logits[:, -1], s, greedy, n_logprobs)
+    at_end = logits[:, -1] if last is None else logits[torch.arange(x.shape[0], device=x.device), last]
+    return sample(at_end, s, greedy, n_logprobs)
 
 
 def prefill_and_score(model, x, input_pos, left_pad, s, greedy, n_logprobs, n_top, first_row=0, kv_length=None):
@@ -133,8 +136,11 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
     if device.type == "cuda":  # a CUDA graph replays the whole step, with none of the checks below
         step = {"mode": "reduce-overhead"}
     else:  # Dynamo's guards check each input's shape and stride before a call already; the compiled code's
-        # own re-check of each is a measurable share of a small model's decode step.
-        step = {"options": {"size_asserts": False}}
+        # own re-check of each is a measurable share of a small model's decode step. A value read more than once
+        # is written once rather than recomputed at each read: inductor would otherwise recompute a norm's output
+        # inside the fused product of every row (kernels.linear), which turns a product of a few rows from
+        # reading memory into computing.
+        step = {"options": {"size_asserts": False, "realize_reads_threshold": 1}}
     eager, steps = Steps(), {}
     # Compiled steps fuse products of up to FUSED_ROWS rows (kernels.linear), a value bound to the compiled function
     # (each keeps its own code object, so its own graphs and recompile limit). Static shapes: a batch size or

@@ -1,20 +1,26 @@
 """The server's engine: one thread (server.py's main thread; Engine.thread in-process) that owns the model and a
 static KV cache of max_batch_size rows ("slots").
 
-A request's choices wait in a bounded queue for free slots; each is prefilled into its slot between two decode
-steps, then decodes with every other busy slot in one batch, and frees its slot when it ends or its client goes
-away. A slot keeps its tokens' keys and values after its request, so the next turn of a conversation prefills
-only what is new. With a draft model, each step is a round of speculative decoding for all busy slots (decode.
-draft_and_verify; the acceptance rule of sampling.accept_drafts): while a busy slot's request is one the rule does
-not cover (penalties, log-probs, a grammar), the batch decodes one token per step instead. A choice with a grammar
-(grammar.py) has a matcher: after each of its tokens, the matcher's allowed tokens become its row's mask for the next
-step, which every row reads (all tokens allowed in a free row), so constrained and free rows share a step's graph.
+A request's choices wait in a bounded queue and take free slots in arrival order (slot_for picks which). Each turn
+of the loop prefills up to prefill_chunk prompt tokens of the slots still entering, oldest first (the pieces of
+consecutive slots in one call), then runs one decode step for every slot that has its prompt in: a long prompt
+enters in chunks while the running streams go on. A choice frees its slot when it ends or its client goes away (a
+prefill stops at its next chunk). A slot keeps its tokens' keys and values after its request, and before a chunk a
+slot copies the longest prefix of its prompt that any slot holds, busy or not: the next turn of a conversation, a
+shared system prompt, the n choices of a request prefill only what is new (a slot waits while an older one
+prefills a longer prefix of its prompt than it could copy). With a draft model, each step is a round of speculative
+decoding for all decoding slots (decode.draft_and_verify; the acceptance rule of sampling.accept_drafts): while a
+slot's request is one the rule does not cover (penalties, log-probs, a grammar), the batch decodes one token per
+step instead. A choice with a grammar (grammar.py) has a matcher: after each of its tokens, the matcher's allowed
+tokens become its row's mask for the next step, which every row reads (all tokens allowed in a free row), so
+constrained and free rows share a step's graph.
 """
 
 import logging
 import queue
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +38,7 @@ from tokenizer import Tokenizer
 # graph is recorded per length met, so the rounding bounds their number (one compiled graph serves them all).
 WINDOW_STEP = 128
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (OpenAI's limit); a decode step computes this many for all rows
+STEP_LOG = 4096  # the latest steps Engine.steps_taken keeps
 log = logging.getLogger("server")
 
 
@@ -48,10 +55,11 @@ class Choice:
     send: Callable[["Event"], None]  # from the engine thread to the request's handler
     score_prompt: bool = False  # the prompt's tokens' log-probs too (a completion's echo), from a full prefill
     matcher: LLMatcher | None = None  # the grammar its output follows, if any
+    ignore_eos: bool = False  # EOS does not end it: it ends at max_tokens, a stop string or its grammar's end
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
     tokens: list[int] = field(default_factory=list)
-    reused: int = 0  # prompt tokens whose keys and values the slot held already (not prefilled again)
+    reused: int = 0  # prompt tokens whose keys and values a slot held already (not prefilled again)
     cancelled: bool = False
 
 
@@ -87,13 +95,16 @@ class Engine:
         draft=None,
         speculate_k: int = 4,
         vocabulary: LLTokenizer | None = None,
+        prefill_chunk: int = 256,
     ):
         self.model, self.tokenizer, self.steps, self.draft = model, tokenizer, steps, draft
         self.vocabulary = vocabulary  # the tokens as grammar.py's matchers read them (None: no structured output)
+        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (a prompt's more)
         self.device = model.tok_embeddings.weight.device
         self.k = speculate_k if draft is not None else 0
         self.speculation = Speculation(self.k) if draft is not None else None  # per slot and round
-        for m in (model, draft) if draft is not None else (model,):
+        self.models = (model, draft) if draft is not None else (model,)
+        for m in self.models:
             m.setup_caches(max_batch_size, max_seq_length)
         self.horizon = max_seq_length - 1  # the last cache position
         # Idle rows feed this position during a step, and write from one before it (a speculative round's draft
@@ -105,8 +116,12 @@ class Engine:
                 f"--max_seq_length {max_seq_length} leaves no room for a prompt and a reply"
                 + (f" beside speculate_k {self.k}" if draft is not None else "")
             )
+        if prefill_chunk < 1:
+            raise ValueError(f"--prefill_chunk must be >= 1, got {prefill_chunk}")
         self.slots: list[Choice | None] = [None] * max_batch_size
         self.cached: list[list[int]] = [[] for _ in range(max_batch_size)]  # tokens whose keys/values a row holds
+        self.draft_cached = [0] * max_batch_size  # how many of them the draft's cache holds too
+        self.prefilling: list[int] = []  # busy rows whose prompt is not all in the cache, in arrival order
         self.state = row_sampler_state(max_batch_size, model.config.vocab_size, self.device)
         self.tokens = torch.zeros(max_batch_size, 1, dtype=torch.long, device=self.device)
         self.last = [0] * max_batch_size  # self.tokens on the host: each row's token to feed next
@@ -114,6 +129,10 @@ class Engine:
         # A decode step runs rows 0..n-1, n a power of two below the slots or all of them: few compiled shapes.
         self.batch_sizes = sorted({min(1 << i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
         self.waiting: queue.Queue = queue.Queue(max_queue)
+        # What the loop did, latest last: ("prefill", row, tokens) and ("decode", rows); counts: steps and tokens
+        # of each kind, and prompt tokens copied from another slot.
+        self.steps_taken: deque = deque(maxlen=STEP_LOG)
+        self.counts: Counter = Counter()
         self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
         # A compiled step holds one graph per batch size, greedy or sampled, with log-probs or without (the
         # draft's: of one token or two): more than Dynamo's default limit of 8 graphs per function, past which a
@@ -144,16 +163,18 @@ class Engine:
     def state_rows(self, rows: slice) -> SamplerState:
         return SamplerState(*(t[rows] for t in self.state))
 
+    def decoding(self, row: int) -> bool:
+        return self.slots[row] is not None and row not in self.prefilling
+
     def positions(self, n: int) -> torch.Tensor:
-        """Rows 0..n-1's positions to feed next [n, 1]: a busy row's next after the tokens it holds; an idle
-        row's the idle position."""
+        """Rows 0..n-1's positions to feed next [n, 1]: a decoding row's next after the tokens it holds; an idle
+        or prefilling row's the idle position."""
         return torch.tensor(
-            [[len(self.cached[i]) if self.slots[i] is not None else self.idle_position] for i in range(n)],
-            device=self.device,
+            [[len(self.cached[i]) if self.decoding(i) else self.idle_position] for i in range(n)], device=self.device
         )
 
-    def batch_size(self, busy: list[int]) -> int:
-        return next(n for n in self.batch_sizes if n > max(busy))
+    def batch_size(self, rows: list[int]) -> int:
+        return next(n for n in self.batch_sizes if n > max(rows))
 
     def window(self, position: int) -> torch.Tensor:
         """The steps' window for a step whose rows write up to position: a tensor of the slots' number (only
@@ -175,24 +196,32 @@ class Engine:
     def busy_slots(self) -> list[int]:
         return [i for i, c in enumerate(self.slots) if c is not None]
 
-    @torch.no_grad()
     def loop(self):
         while True:
-            self.admit()
-            busy = self.busy_slots()
-            if busy:
-                try:
-                    if self.draft is not None and all(speculable(self.slots[i]) for i in busy):
-                        self.speculate(busy)
-                    else:
-                        self.decode(busy)
-                except Exception as e:  # a fault of ours: end the requests it hit, keep serving
-                    log.exception("decode step failed")
-                    for i in busy:
-                        self.finish(i, error=str(e))
+            self.step()
+
+    @torch.no_grad()
+    def step(self):
+        """One turn of the loop: admit waiting choices (waiting for one while there is nothing to do), prefill a
+        chunk of prompts, and decode a token (a speculative round) for every row that has its prompt in."""
+        self.admit()
+        if self.prefilling:
+            self.prefill_chunk_of_prompts()
+        rows = [i for i in self.busy_slots() if i not in self.prefilling]
+        if rows:
+            try:
+                if self.draft is not None and all(speculable(self.slots[i]) for i in rows):
+                    self.speculate(rows)
+                else:
+                    self.decode(rows)
+            except Exception as e:  # a fault of ours: end the requests it hit, keep serving
+                log.exception("decode step failed")
+                for i in rows:
+                    self.finish(i, error=str(e))
 
     def admit(self):
-        """Takes waiting choices into free slots (blocking while nothing is running), prefilling each."""
+        """Takes waiting choices into free slots in arrival order (blocking while the engine has nothing to do):
+        each into the slot slot_for picks."""
         while None in self.slots:
             try:
                 choice = self.waiting.get(block=not self.busy_slots())
@@ -200,57 +229,186 @@ class Engine:
                 return
             if choice.cancelled:
                 continue
-            free = [i for i, c in enumerate(self.slots) if c is None]
-            row = max(free, key=lambda i: (cached_prefix(self.cached[i], choice.ids), -i))
+            row = self.slot_for(choice)
+            # Scoring the prompt takes every position's logits, so it prefills the whole prompt.
+            kept = 0 if choice.score_prompt else cached_prefix(self.cached[row], choice.ids)
+            self.slots[row], self.cached[row], choice.reused = choice, choice.ids[:kept], kept
+            self.draft_cached[row] = min(self.draft_cached[row], kept)
+            self.prefilling.append(row)
+
+    def slot_for(self, choice: Choice) -> int:
+        """The free slot a choice takes: not one that would lose more than a chunk of tokens the prompt does not
+        share (a document stays for its next question), where another is free; then the one that keeps the
+        decode steps' batch smallest (idle rows below a busy one cost as much as busy ones); then the one
+        holding the longest prefix of the prompt (what other slots hold is copied, but this needs no copy);
+        then the one losing the fewest tokens."""
+        busy = self.busy_slots()
+
+        def preference(i):
+            kept = cached_prefix(self.cached[i], choice.ids)
+            lost = len(self.cached[i]) - kept
+            return lost <= self.prefill_chunk, -self.batch_size(busy + [i]), kept, -lost, -i
+
+        return max((i for i, c in enumerate(self.slots) if c is None), key=preference)
+
+    def prefill_chunk_of_prompts(self):
+        """Prefills up to prefill_chunk prompt tokens of the prefilling rows, oldest first (a prompt scored whole,
+        in one piece); a row first copies what another slot holds of its prompt. Pieces of consecutive rows go
+        in one call."""
+        budget, pieces = self.prefill_chunk, []
+        for row in list(self.prefilling):
+            c = self.slots[row]
+            if c.cancelled:
+                self.finish(row)
+                continue
+            if budget <= 0:
+                break
+            if not c.score_prompt:
+                self.copy_prefix(row)
+                if self.older_row_prefills_more(row):
+                    continue
+            start = len(self.cached[row])
+            end = len(c.ids) if c.score_prompt else min(len(c.ids), start + budget)
+            budget -= end - start
+            if end == start + 1 == len(c.ids) and self.joins_decode(c):
+                self.start_sampling(row, c)
+                self.prefilling.remove(row)
+                self.tokens[row], self.last[row] = c.ids[-1], c.ids[-1]
+                self.counts["prefilled_tokens"] += 1
+            else:
+                pieces.append((row, end))
+        for group in self.prefill_groups(pieces):
             try:
-                self.prefill(row, choice)
+                self.prefill(group)
             except Exception as e:
                 log.exception("prefill failed")
-                self.slots[row] = choice
-                self.finish(row, error=str(e))
+                for row, _ in group:
+                    if self.slots[row] is not None:
+                        self.finish(row, error=str(e))
 
-    def prefill(self, row: int, choice: Choice):
-        # Scoring the prompt takes every position's logits, so it prefills the whole prompt.
-        start = choice.reused = 0 if choice.score_prompt else cached_prefix(self.cached[row], choice.ids)
-        self.slots[row], self.cached[row] = choice, choice.ids[:start]
-        choice.pieces = TextPieces(self.tokenizer, choice.stop)
+    def prefill_groups(self, pieces: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """Pieces (row, end) in the calls that prefill them: runs of consecutive rows together, as long as each
+        row's piece, right-padded to the longest, stays within the cache and the padding is no more than the
+        pieces (short pieces gain from sharing a pass over the weights; long ones would mostly compute padding);
+        a prompt scored whole alone."""
+        groups = []
+        for row, end in sorted(pieces):
+            group = groups[-1] if groups else []
+            joined = group + [(row, end)]
+            lengths = [e - len(self.cached[r]) for r, e in joined]
+            if (
+                group
+                and group[-1][0] == row - 1
+                and not any(self.slots[r].score_prompt for r, _ in joined)
+                and all(len(self.cached[r]) + max(lengths) <= self.horizon + 1 for r, _ in joined)
+                and len(joined) * max(lengths) <= 2 * sum(lengths)
+            ):
+                group.append((row, end))
+            else:
+                groups.append([(row, end)])
+        return groups
+
+    def joins_decode(self, c: Choice) -> bool:
+        """Whether a choice whose prompt lacks one token in the cache feeds it in the next decode step, which
+        computes its first token as a prefill would: not with penalties (the step counts the token it feeds as
+        output), nor with a draft (whose step reads the token before too), nor to score the prompt."""
+        return self.draft is None and not c.params.penalized and not c.score_prompt and c.max_tokens > 0
+
+    def copy_prefix(self, row: int):
+        """Copies into row the keys and values of the longest prefix of its prompt that another slot holds beyond
+        what row holds (the draft's too, as far as its cache holds them)."""
+        c, held = self.slots[row], len(self.cached[row])
+        others = [i for i in range(len(self.slots)) if i != row]
+        if not others:
+            return
+        source = max(others, key=lambda i: cached_prefix(self.cached[i], c.ids))
+        length = cached_prefix(self.cached[source], c.ids)
+        if length <= held:
+            return
+        self.model.copy_positions(source, row, held, length)
+        if self.draft is not None:
+            start, end = self.draft_cached[row], min(length, self.draft_cached[source])
+            if end > start:
+                self.draft.copy_positions(source, row, start, end)
+                self.draft_cached[row] = end
+        self.cached[row] = c.ids[:length]
+        c.reused += length - held
+        self.counts["copied_prompt_tokens"] += length - held
+
+    def older_row_prefills_more(self, row: int) -> bool:
+        """Whether a row that came before row is prefilling a longer prefix of row's prompt than row holds: row
+        then waits to copy it (the n choices of one request share one prefill)."""
+        ids, held = self.slots[row].ids, len(self.cached[row])
+        older = self.prefilling[: self.prefilling.index(row)]
+        return any(cached_prefix(self.slots[i].ids, ids) > held for i in older)
+
+    def prefill(self, group: list[tuple[int, int]]):
+        """Prefills each row's prompt tokens from those it holds up to its end, for consecutive rows in one call
+        (each row's piece right-padded to the longest: the padding writes past what the row holds, where nothing
+        is read before it is written again); a row whose prompt ends there gets its first token."""
+        rows, ends = [r for r, _ in group], [e for _, e in group]
+        choices, starts = [self.slots[r] for r in rows], [len(self.cached[r]) for r in rows]
+        n, width, finals = len(rows), max(e - s for s, e in zip(starts, ends)), []
+        x = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        for i, (c, start, end) in enumerate(zip(choices, starts, ends)):
+            x[i, : end - start] = torch.tensor(c.ids[start:end])
+            finals.append(end == len(c.ids))
+            if finals[-1]:
+                self.start_sampling(rows[i], c)
+                self.refill_noise([rows[i]])
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        final = [c for c, f in zip(choices, finals) if f]
+        greedy = all(c.params.greedy for c in final)
+        n_logprobs = max((c.top_logprobs for c in final if c.top_logprobs is not None), default=None)
+        last = None if n == 1 else torch.tensor([e - s - 1 for s, e in zip(starts, ends)], device=self.device)
+        args = (self.model, x, positions, self.no_pad[:n], self.state_rows(slice(rows[0], rows[0] + n)), greedy)
+        prompt = None
+        if choices[0].score_prompt:  # alone, whole
+            c = choices[0]
+            token, logprobs, scored = prefill_and_score(
+                *args, c.top_logprobs, c.top_logprobs, first_row=rows[0], kv_length=ends[0]
+            )
+            prompt = [TokenLogprobs(c.ids[0], None, None)] + step_logprobs(tuple(t[0] for t in scored), c.ids[1:])
+        else:
+            kv_length = max(starts) + width
+            token, logprobs = prefill(*args, n_logprobs, first_row=rows[0], kv_length=kv_length, last=last)
+        host = token[:, 0].tolist()
+        logprobs = None if logprobs is None else step_logprobs(logprobs, host)
+        for i, (row, c, start, end) in enumerate(zip(rows, choices, starts, ends)):
+            if self.draft is not None:  # from the first position its cache lacks
+                since = self.draft_cached[row]
+                self.draft(
+                    torch.tensor([c.ids[since:end]], device=self.device),
+                    torch.arange(since, end, device=self.device),
+                    self.no_pad[:1],
+                    last_only=True,
+                    first_row=row,
+                    kv_length=end,
+                )
+                self.draft_cached[row] = end
+            self.cached[row] = c.ids[:end]
+            self.steps_taken.append(("prefill", row, end - start))
+            self.counts["prefilled_tokens"] += end - start
+            if not finals[i]:
+                continue
+            self.prefilling.remove(row)
+            if c.max_tokens == 0:
+                c.send(Event(c.index, finish_reason="length", prompt_logprobs=prompt))
+                self.finish(row)
+                continue
+            self.tokens[row], self.last[row] = host[i], host[i]
+            self.emit(row, host[i], None if logprobs is None else logprobs[i], prompt)
+        self.counts["prefill_chunks"] += 1
+
+    def start_sampling(self, row: int, choice: Choice):
+        """The row's sampling state becomes choice's, for its first token (a decode step reads every row's state,
+        so not before the prompt's last chunk)."""
+        choice.pieces = TextPieces(self.tokenizer, choice.stop, choice.ignore_eos)
         if choice.params.seed is not None:
             choice.generator = choice.params.generator(self.device)
         vocab_size = self.model.config.vocab_size
         allowed = None if choice.matcher is None else allowed_tokens(choice.matcher, vocab_size)
         set_row(self.state, row, choice.params, choice.ids, allowed)
-        self.refill_noise([row])
-        x = torch.tensor([choice.ids[start:]], device=self.device)
-        positions = torch.arange(start, len(choice.ids), device=self.device)
-        args = (self.model, x, positions, self.no_pad[:1], self.state_rows(slice(row, row + 1)), choice.params.greedy)
-        if choice.score_prompt:
-            token, logprobs, scored = prefill_and_score(
-                *args, choice.top_logprobs, choice.top_logprobs, first_row=row, kv_length=len(choice.ids)
-            )
-            prompt = [TokenLogprobs(choice.ids[0], None, None)] + step_logprobs(
-                tuple(t[0] for t in scored), choice.ids[1:]
-            )
-        else:
-            token, logprobs = prefill(*args, choice.top_logprobs, first_row=row, kv_length=len(choice.ids))
-            prompt = None
-        if self.draft is not None:  # from one position earlier: the draft may lack the last one the slot held
-            since = max(start - 1, 0)
-            self.draft(
-                torch.tensor([choice.ids[since:]], device=self.device),
-                torch.arange(since, len(choice.ids), device=self.device),
-                self.no_pad[:1],
-                last_only=True,
-                first_row=row,
-                kv_length=len(choice.ids),
-            )
-        self.cached[row] = list(choice.ids)
-        if choice.max_tokens == 0:
-            choice.send(Event(choice.index, finish_reason="length", prompt_logprobs=prompt))
-            return self.finish(row)
-        self.tokens[row] = token[0]
-        self.last[row] = int(token)
-        logprobs = None if logprobs is None else step_logprobs(logprobs, [self.last[row]])[0]
-        self.emit(row, self.last[row], logprobs, prompt)
 
     def refill_noise(self, rows: list[int]):
         for i in rows:
@@ -258,22 +416,26 @@ class Engine:
             if not c.params.greedy:
                 self.state.noise[i].exponential_(generator=c.generator)
 
-    def decode(self, busy: list[int]):
-        n = self.batch_size(busy)
+    def decode(self, rows: list[int]):
+        """One decode step for the decoding rows (the others of the batch feed the idle position)."""
+        n = self.batch_size(rows)
         state, positions = self.state_rows(slice(0, n)), self.positions(n)
         record_token(state, self.tokens[:n])
-        self.refill_noise(busy)
-        greedy = all(self.slots[i].params.greedy for i in busy)
-        n_logprobs = MAX_TOP_LOGPROBS if any(self.slots[i].top_logprobs is not None for i in busy) else None
-        window = self.window(max(len(self.cached[i]) for i in busy))  # a row feeds position len(cached)
+        self.refill_noise(rows)
+        greedy = all(self.slots[i].params.greedy for i in rows)
+        n_logprobs = MAX_TOP_LOGPROBS if any(self.slots[i].top_logprobs is not None for i in rows) else None
+        window = self.window(max(len(self.cached[i]) for i in rows))  # a row feeds position len(cached)
         token, logprobs = self.decode_step(n, state, positions, greedy, n_logprobs, window)
         if self.draft is not None:  # keeps up: a speculative round expects it to lack one position at most
             self.draft(*self.draft_inputs(n, positions), self.no_pad[:n], last_only=True, kv_length=window.shape[0])
         self.tokens[:n] = token  # a copy: CUDA graphs reuse token's buffer on the next call
         host = token[:, 0].tolist()  # the step's one sync
         logprobs = None if logprobs is None else step_logprobs(logprobs, host)
-        for i in busy:
+        self.steps_taken.append(("decode", tuple(rows)))
+        self.counts["decode_steps"] += 1
+        for i in rows:
             self.cached[i].append(self.last[i])
+            self.draft_cached[i] = len(self.cached[i])
             self.last[i] = host[i]
             self.emit(i, host[i], None if logprobs is None else logprobs[i])
 
@@ -285,14 +447,12 @@ class Engine:
     def draft_inputs(self, n: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..n-1's previous and current tokens [n, 2] and their positions: what the draft reads next, as
         its cache may lack the previous one (the model's verification kept all the drafted tokens)."""
-        previous = torch.tensor(
-            [[self.cached[i][-1] if self.slots[i] is not None else 0] for i in range(n)], device=self.device
-        )
+        previous = torch.tensor([[self.cached[i][-1] if self.decoding(i) else 0] for i in range(n)], device=self.device)
         return torch.cat([previous, self.tokens[:n]], dim=1), torch.cat([positions - 1, positions], dim=1)
 
-    def draft_and_verify(self, n: int, busy: list[int], state, positions: torch.Tensor, greedy: bool, window):
+    def draft_and_verify(self, n: int, rows: list[int], state, positions: torch.Tensor, greedy: bool, window):
         """decode.draft_and_verify for rows 0..n-1, whose draft reads each row's previous and current tokens;
-        the busy rows' sampling noise is drawn anew before each draft step."""
+        the decoding rows' sampling noise is drawn anew before each draft step."""
         return draft_and_verify(
             self.model,
             self.draft,
@@ -303,28 +463,33 @@ class Engine:
             state,
             state,
             greedy,
-            lambda: self.refill_noise(busy),
+            lambda: self.refill_noise(rows),
             window,
         )
 
-    def speculate(self, busy: list[int]):
-        """One round of speculative decoding for every busy slot."""
-        n = self.batch_size(busy)
+    def speculate(self, rows: list[int]):
+        """One round of speculative decoding for every decoding row."""
+        n = self.batch_size(rows)
         state = self.state_rows(slice(0, n))
-        greedy = all(self.slots[i].params.greedy for i in busy)
-        window = self.window(max(len(self.cached[i]) for i in busy) + self.k)
-        drafted, p, q = self.draft_and_verify(n, busy, state, self.positions(n), greedy, window)
+        greedy = all(self.slots[i].params.greedy for i in rows)
+        window = self.window(max(len(self.cached[i]) for i in rows) + self.k)
+        drafted, p, q = self.draft_and_verify(n, rows, state, self.positions(n), greedy, window)
         uniforms = torch.zeros(n, self.k, device=self.device)  # a greedy row keeps a draft where q (one-hot) agrees
-        for i in busy:
+        for i in rows:
             if not self.slots[i].params.greedy:
                 uniforms[i] = torch.rand(self.k, generator=self.slots[i].generator, device=self.device)
-        self.refill_noise(busy)
+        self.refill_noise(rows)
         kept, next_token = accept_drafts(drafted, p, q, uniforms, state.noise)
         host = torch.cat([kept[:, None], next_token[:, None], drafted], dim=1).tolist()  # the round's one sync
         self.tokens[:n, 0] = next_token
-        for i in busy:
+        self.steps_taken.append(("decode", tuple(rows)))
+        self.counts["decode_steps"] += 1
+        for i in rows:
             n_kept, new = host[i][0], host[i][2 : 2 + host[i][0]] + [host[i][1]]
             self.speculation.record(n_kept)
+            # The draft read the row's token and every draft but the last: all the row now holds, unless it kept
+            # every draft.
+            self.draft_cached[i] = len(self.cached[i]) + min(n_kept + 1, self.k)
             self.cached[i] += [self.last[i]] + new[:-1]
             self.last[i] = new[-1]
             for token in new:
@@ -360,6 +525,8 @@ class Engine:
     def finish(self, row: int, error: str | None = None):
         c = self.slots[row]
         self.slots[row] = None
+        if row in self.prefilling:
+            self.prefilling.remove(row)
         self.state.allowed[row] = True  # the idle row samples freely (a stale mask could allow nothing)
         if error is not None:
             c.send(Event(c.index, error=error))

@@ -25,13 +25,23 @@ class Metrics:
     inter_token_latency: Histogram
 
 
-class SpeculationCollector:
-    """Speculative decoding's drafted and accepted tokens, read from the engine at each scrape."""
+ENGINE_COUNTS = {
+    "prefill_chunks": "Prefill calls, each taking a chunk of the prompts of consecutive slots.",
+    "prefilled_tokens": "Prompt tokens prefilled.",
+    "copied_prompt_tokens": "Prompt tokens whose keys and values were copied from another slot.",
+    "decode_steps": "Decode steps (speculative rounds with a draft) of the busy slots.",
+}
+
+
+class EngineCollector:
+    """The engine's step counts and speculative decoding's drafted and accepted tokens, read at each scrape."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
 
     def collect(self):
+        for name, text in ENGINE_COUNTS.items():
+            yield CounterMetricFamily(PREFIX + name, text, self.engine.counts[name])
         s = self.engine.speculation
         if s is None:
             return
@@ -43,12 +53,13 @@ def server_metrics(engine: Engine) -> Metrics:
     registry = CollectorRegistry()
     gauges = {
         "queue_length": ("Choices waiting for a slot.", engine.waiting.qsize),
-        "busy_slots": ("Slots decoding a request.", lambda: len(engine.busy_slots())),
+        "busy_slots": ("Slots holding a request.", lambda: len(engine.busy_slots())),
+        "prefilling_slots": ("Slots whose prompt is being prefilled.", lambda: len(engine.prefilling)),
         "slots": ("Slots of the KV cache (--max_batch_size).", lambda: len(engine.slots)),
     }
     for name, (text, read) in gauges.items():
         Gauge(PREFIX + name, text, registry=registry).set_function(read)
-    registry.register(SpeculationCollector(engine))
+    registry.register(EngineCollector(engine))
     return Metrics(
         registry,
         Counter(PREFIX + "requests", "Requests answered.", ["endpoint", "status"], registry=registry),

@@ -45,6 +45,10 @@ class KVCache(nn.Module):
             self.v_cache[row_index, :, input_pos] = v.transpose(1, 2)
         return self.k_cache[rows], self.v_cache[rows]
 
+    def copy_positions(self, source: int, row: int, start: int, end: int):
+        self.k_cache[row, :, start:end] = self.k_cache[source, :, start:end]
+        self.v_cache[row, :, start:end] = self.v_cache[source, :, start:end]
+
 
 class Transformer(nn.Module):
     kernels = Kernels()  # for the tied output projection, which has no module of its own
@@ -136,6 +140,12 @@ class Transformer(nn.Module):
         else:
             logits = self.output(x, fused_rows)
         return softcap(logits.float(), self.config.final_logit_softcap)
+
+    def copy_positions(self, source: int, row: int, start: int, end: int):
+        """Cache row row's keys and values at positions start..end-1 become row source's: a prefix of tokens both
+        rows hold (a server's slots sharing a prompt's beginning)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.copy_positions(source, row, start, end)
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         """The first layer's input: token embeddings (plus learned position embeddings), [B, S, dim]."""

@@ -87,10 +87,12 @@ def find_stop(text: str, stop: list[str]) -> int:
 class TextPieces:
     """One row's text while its tokens come: push() returns the next piece to show. The pieces join to exactly
     the final text: held back are an incomplete character and any tail that could begin a stop string.
-    finished becomes "eos" or "stop" when a token ends the text; end() gives the rest when tokens run out."""
+    finished becomes "eos" or "stop" when a token ends the text (ignore_eos: a stop string only); end() gives the
+    rest when tokens run out."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
-        self.decoder, self.eos, self.stop = IncrementalDecoder(tokenizer), set(tokenizer.eos_ids), stop
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], ignore_eos: bool = False):
+        self.decoder, self.stop = IncrementalDecoder(tokenizer), stop
+        self.eos = set() if ignore_eos else set(tokenizer.eos_ids)
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.pending, self.finished = "", None
 

@@ -130,6 +130,7 @@ def make_app(app_state: AppState) -> FastAPI:
         return {
             "status": "ok",
             "busy_slots": len(engine.busy_slots()),
+            "prefilling_slots": len(engine.prefilling),
             "slots": len(engine.slots),
             "waiting": engine.waiting.qsize(),
             "speculation": None if engine.speculation is None else engine.speculation.summary(),
@@ -227,6 +228,7 @@ def submit(job: Job, engine: Engine) -> tuple[list[Choice], asyncio.Queue]:
             send,
             job.score_prompt,
             None if job.grammar is None else new_matcher(job.grammar, engine.vocabulary),
+            ignore_eos=job.ignore_eos,
         )
         for p, ids in enumerate(job.prompts)
         for i in range(job.n)
@@ -322,6 +324,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--max_batch_size", type=int, default=8, help="requests decoded together (slots of the KV cache)")
     arg("--max_seq_length", type=int, default=2048, help="positions per slot: prompt plus reply (capped by the model)")
     arg("--max_queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
+    arg("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled between two decode steps")
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -330,7 +333,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--draft_checkpoint_path", type=Path, default=None, help="a draft model (same tokenizer): speculative decoding")
     arg("--speculate_k", type=int, default=4, help="tokens the draft proposes per slot and round")
     args = p.parse_args(argv)
-    for name in ("max_batch_size", "max_queue"):
+    for name in ("max_batch_size", "max_queue", "prefill_chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if not 0 < args.port < 65536:
@@ -371,6 +374,7 @@ def main(argv=None):
             draft,
             args.speculate_k,
             vocabulary,
+            args.prefill_chunk,
         )
         if args.compile:
             engine.warm_up()

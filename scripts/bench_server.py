@@ -1,16 +1,26 @@
-"""server.py under concurrent clients, beside generate.py serving the same requests one after another.
+"""server.py under concurrent clients, side by side with llama.cpp's llama-server on the same GGUF.
 
-    python scripts/bench_server.py                          # SmolLM2, compiled, 1 / 4 / 16 clients
-    python scripts/bench_server.py --clients 1,8 --max_tokens 64 --requests 1 --no-compile
-    python scripts/bench_server.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int8.pth --kernels fused
+    python scripts/bench_server.py --llama_server PATH/llama-server        # SmolLM2 float32 beside F32
+    python scripts/bench_server.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int8.pth \\
+        --llama_server PATH/llama-server                                   # int8 beside Q8_0
+    python scripts/bench_server.py --clients 1,8 --max_tokens 64 --requests 1 --no-compile   # ours alone
 
-C clients each send --requests chat requests in turn (different questions, greedy, --max_tokens at most), all
-starting together. Total tokens/s: completion tokens of all requests / wall time from the first request sent to
-the last answer. Time to first token (TTFT): from sending a request to its first streamed text.
-The baseline is the project's own generate.py path (Stream, compiled alike) in this process, serving the same
-requests one at a time in arrival order: a request's TTFT includes its wait for the ones before it.
-server.py --compile compiles its decode graphs before it serves (one per power-of-two batch, greedy and sampled);
-the time it takes to start is printed. One request warms up each side before the timed rounds.
+Workloads (--workloads): "chat": C clients each send --requests streamed chat requests in turn (different
+questions, greedy, --max_tokens tokens: ignore_eos, as both servers take it, so that both do the same work even where
+their greedy texts part), all starting together; "mixed": the same, but the requests of every
+fourth client (the first, the fifth, ...) begin with a document of --document_tokens tokens, a long prompt entering
+while the other streams run. Each row: total tokens/s (completion tokens of all requests / wall time from the first
+request sent to the last answer), time to first token (TTFT: from sending a request to its first streamed text) p50
+and p95, the largest gap between two pieces of text of one stream, and the streams' decode rate (tokens after the
+first / time from the first to the last).
+
+llama-server (build it as docs/serving.md says) serves the GGUF the checkpoint came from (--gguf) at the checkpoint's
+precision (float32: F32, int8: Q8_0, int4: Q4_1, a checkpoint of GGUF blocks: the GGUF's own type; llama.cpp makes
+the copy), with as many slots, the same context per slot and the same threads, continuous batching. server.py runs
+with --max_batch_size the most clients. One request warms up each server first; each server's start time is
+printed (server.py --compile compiles its decode graphs before it serves). The single-stream check: generate.py's
+compiled decode (Stream) on four of the questions one at a time, in this process while server.py is up and idle
+just before its rows, beside the one-client chat row's decode rate.
 """
 
 import argparse
@@ -20,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,11 +38,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmark import DEFAULT_GGUF, LLAMA_CPP_TYPES, gguf_file_type, gguf_variant  # noqa: E402
 from chat import encode_conversation  # noqa: E402
-from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, resolve_checkpoint, user_errors  # noqa: E402
+from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, load_checkpoint, resolve_checkpoint, user_errors  # noqa: E402
 from decode import Stream, compile_steps  # noqa: E402
 from generate import load_models  # noqa: E402
 from kernels import MATVECS  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -51,6 +64,17 @@ QUESTIONS = [
     "Summarize the story of Cinderella in two sentences.",
     "What are the three states of matter?",
 ]
+DOCUMENT_SOURCES = ["README.md", "docs/usage.md", "docs/serving.md", "docs/performance.md"]  # the mixed load's text
+
+
+@dataclass
+class Answer:
+    """One streamed request as its client saw it."""
+
+    ttft: float  # from sending to the first text
+    tokens: int  # completion tokens (usage)
+    span: float  # from the first text to the last
+    largest_gap: float  # between two pieces of text
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -59,34 +83,67 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def summary(label: str, clients: int, wall: float, tokens: int, ttfts: list[float]) -> dict:
+def summary(server: str, workload: str, clients: int, wall: float, answers: list[Answer]) -> dict:
+    tokens = sum(a.tokens for a in answers)
+    span = sum(a.span for a in answers)
     return {
-        "server": label,
+        "server": server,
+        "workload": workload,
         "clients": clients,
-        "requests": len(ttfts),
+        "requests": len(answers),
         "completion_tokens": tokens,
         "wall_s": wall,
         "total_tokens_per_s": tokens / wall,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p95_s": percentile(ttfts, 95),
+        "ttft_p50_s": percentile([a.ttft for a in answers], 50),
+        "ttft_p95_s": percentile([a.ttft for a in answers], 95),
+        "largest_gap_s": max(a.largest_gap for a in answers),
+        "decode_tokens_per_s": sum(a.tokens - 1 for a in answers) / span if span else float("nan"),
     }
 
 
-def requests_of(clients: int, per_client: int) -> list[list[str]]:
-    """Client c's questions, in the order it sends them."""
-    return [[QUESTIONS[(c + r * clients) % len(QUESTIONS)] for r in range(per_client)] for c in range(clients)]
+def requests_of(workload: str, clients: int, per_client: int, document: str) -> list[list[str]]:
+    """Client c's messages, in the order it sends them."""
+    return [
+        [
+            (document + "\n\n" if workload == "mixed" and c % 4 == 0 else "")
+            + QUESTIONS[(c + r * clients) % len(QUESTIONS)]
+            for r in range(per_client)
+        ]
+        for c in range(clients)
+    ]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str, float]:
-    """Starts server.py; returns it, its address and the seconds it took to answer /health."""
-    url, start = f"http://127.0.0.1:{args.port}", time.perf_counter()
-    command = [
+def document_of(tokenizer, length: int) -> str:
+    """The mixed load's document: the project's docs, cut to length tokens."""
+    text = "\n\n".join((ROOT / name).read_text() for name in DOCUMENT_SOURCES)
+    ids = tokenizer.encode(text)
+    if len(ids) < length:
+        sys.exit(f"error: the docs hold {len(ids)} tokens, fewer than --document_tokens {length}")
+    return tokenizer.decode(ids[:length])
+
+
+def wait_for(process: subprocess.Popen, url: str, name: str) -> float:
+    """Seconds until url/health answers 200 (llama-server answers 503 while it loads)."""
+    start = time.perf_counter()
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return time.perf_counter() - start
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None:
+            sys.exit(f"error: {name} exited before serving")
+        time.sleep(0.2)
+
+
+def ours_command(args, port: int) -> list[str]:
+    return [
         sys.executable,
         str(ROOT / "server.py"),
         "--checkpoint_path",
         str(args.checkpoint_path),
         "--port",
-        str(args.port),
+        str(port),
         "--max_batch_size",
         str(max(args.clients)),
         "--max_seq_length",
@@ -94,94 +151,151 @@ def start_server(args) -> tuple[subprocess.Popen, str, float]:
         "--kernels",
         args.kernels,
     ] + ["--compile"] * args.compile
-    process = subprocess.Popen(command, cwd=ROOT)  # its log (compiles, one line per request) goes to stderr
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return process, url, time.perf_counter() - start
-        except httpx.TransportError:
-            if process.poll() is not None:
-                sys.exit("error: server.py exited before serving")
-        time.sleep(0.2)
 
 
-def one_request(url: str, question: str, max_tokens: int) -> tuple[float, int]:
-    """Sends one streamed chat request; returns (time to first text, completion tokens)."""
+def peer_gguf(args) -> tuple[Path, str]:
+    """The GGUF llama-server serves, at the checkpoint's precision, and its llama.cpp type."""
+    quantization = load_checkpoint(args.checkpoint_path)[1]
+    if quantization is not None and quantization.get("method") == "gguf":
+        return args.gguf, gguf_file_type(args.gguf)
+    kind = LLAMA_CPP_TYPES[quantization["mode"] if quantization else "float32"]
+    return gguf_variant(args.gguf, kind, torch.get_num_threads()), kind
+
+
+def llama_server_command(args, port: int, gguf: Path) -> list[str]:
+    slots = max(args.clients)
+    return [
+        str(args.llama_server),
+        "-m",
+        str(gguf),
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * args.max_seq_length),
+        "-t",
+        str(torch.get_num_threads()),
+        "-cb",
+        "--no-webui",
+        "--log-disable",
+    ]
+
+
+def one_request(url: str, message: str, max_tokens: int, ignore_eos: bool = False) -> Answer:
     body = {
-        "messages": [{"role": "user", "content": question}],
+        "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
     }
-    start, ttft, tokens = time.perf_counter(), None, 0
+    start, pieces, tokens = time.perf_counter(), [], 0
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if ttft is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - start
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                pieces.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return ttft, tokens
+    gaps = [b - a for a, b in zip(pieces, pieces[1:])]
+    return Answer(pieces[0] - start, tokens, pieces[-1] - pieces[0], max(gaps, default=0.0))
 
 
-def run_clients(url: str, clients: int, per_client: int, max_tokens: int) -> dict:
-    results = []
+def run_clients(url: str, server: str, workload: str, clients: int, args, document: str) -> dict:
+    answers = []
 
-    def client(questions):
-        for question in questions:
-            results.append(one_request(url, question, max_tokens))
+    def client(messages):
+        for message in messages:
+            answers.append(one_request(url, message, args.max_tokens, args.ignore_eos))
 
-    threads = [threading.Thread(target=client, args=(q,)) for q in requests_of(clients, per_client)]
+    threads = [
+        threading.Thread(target=client, args=(m,)) for m in requests_of(workload, clients, args.requests, document)
+    ]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    return summary("server.py", clients, wall, sum(n for _, n in results), [t for t, _ in results])
+    return summary(server, workload, clients, time.perf_counter() - start, answers)
 
 
-def run_sequential(model, tokenizer, steps, clients: int, per_client: int, max_tokens: int) -> dict:
-    """The same requests served one at a time: client c's r-th request is sent when its previous one ends, and
-    waits for every request queued before it (round r of all clients, in turn)."""
-    questions = requests_of(clients, per_client)
-    sent, clock, ttfts, tokens = [0.0] * clients, 0.0, [], 0
-    for r in range(per_client):
-        for c in range(clients):
-            ids = encode_conversation(tokenizer, [{"role": "user", "content": questions[c][r]}])
-            start = time.perf_counter()
-            result = Stream(model, tokenizer, ids, max_tokens, steps=steps).run()
-            took = time.perf_counter() - start
-            ttfts.append(clock - sent[c] + result.time_to_first_token_s)
-            clock += took
-            sent[c] = clock
-            tokens += len(result.raw_tokens[0])
-    return summary("generate.py, one at a time", clients, clock, tokens, ttfts)
+def serve_and_measure(
+    command: list[str], port: int, server: str, args, document: str, while_idle=None
+) -> tuple[float, list[dict]]:
+    """Starts a server, warms it up with one request, calls while_idle (if any), and runs every workload at every
+    number of clients."""
+    process = subprocess.Popen(command, cwd=ROOT)  # its log goes to stderr
+    url = f"http://127.0.0.1:{port}"
+    try:
+        started = wait_for(process, url, server)
+        one_request(url, QUESTIONS[0], 4)
+        if while_idle is not None:
+            while_idle()
+        rows = [
+            run_clients(url, server, workload, clients, args, document)
+            for workload in args.workloads
+            for clients in args.clients
+        ]
+    finally:
+        process.terminate()
+        process.wait()
+    return started, rows
+
+
+def generate_decode_rate(args) -> float:
+    """generate.py's compiled (or eager) decode tokens/s over the chat questions, one request at a time."""
+    cpu = torch.device("cpu")
+    model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels)
+    steps = compile_steps(cpu, args.compile)
+    prompts = [encode_conversation(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
+    # One cache for all requests, as large as the longest needs, so that the compiled step never recompiles.
+    model.setup_caches(1, max(map(len, prompts)) + args.max_tokens)
+    Stream(model, tokenizer, "warm-up", 4, steps=steps).run()
+    tokens = seconds = 0.0
+    for ids in prompts:
+        result = Stream(model, tokenizer, ids, args.max_tokens, steps=steps).run()
+        tokens += len(result.raw_tokens[0]) - 1
+        seconds += result.decode_time_s
+    return tokens / seconds
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--llama_server", type=Path, default=None, help="llama.cpp's llama-server binary: the peer")
+    p.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF of the checkpoint's model, for the peer")
     p.add_argument(
         "--clients",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[1, 4, 16],
         help="comma-separated numbers of concurrent clients",
     )
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=["chat", "mixed"], help="chat, mixed")
     p.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     p.add_argument("--max_tokens", type=int, default=128)
+    p.add_argument(
+        "--ignore_eos", action=argparse.BooleanOptionalAction, default=True, help="every reply max_tokens long"
+    )
+    p.add_argument("--document_tokens", type=int, default=1500, help="the mixed load's document")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag, for both sides")
-    p.add_argument("--max_seq_length", type=int, default=2048, help="server.py's positions per slot")
-    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag")
+    p.add_argument("--max_seq_length", type=int, default=2048, help="positions per slot, both servers")
+    p.add_argument("--port", type=int, default=8765, help="server.py's; llama-server's is the next")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
         p.error("--clients, --requests and --max_tokens must be positive")
+    if not set(args.workloads) <= {"chat", "mixed"}:
+        p.error(f"--workloads: chat and/or mixed, got {','.join(args.workloads)}")
+    if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
+        p.error(f"--llama_server {args.llama_server} is not an executable file")
+    if args.llama_server is not None and not args.gguf.is_file():
+        p.error(f"GGUF file {args.gguf} not found (bash scripts/prepare.sh makes the default one)")
     args.checkpoint_path = resolve_checkpoint(args.checkpoint_path)
     return args
 
@@ -189,38 +303,54 @@ def parse_args(argv=None):
 def main(argv=None):
     with user_errors():
         args = parse_args(argv)
-    rows = []
-    process, url, started = start_server(args)
-    try:
-        one_request(url, QUESTIONS[0], 4)
-        for clients in args.clients:
-            rows.append(run_clients(url, clients, args.requests, args.max_tokens))
-    finally:
-        process.terminate()
-        process.wait()
-    cpu = torch.device("cpu")
-    model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels)
-    steps = compile_steps(cpu, args.compile)
-    # One cache for all requests, as large as the longest needs, so that the compiled step never recompiles.
-    longest = max(len(encode_conversation(tokenizer, [{"role": "user", "content": q}])) for q in QUESTIONS)
-    model.setup_caches(1, longest + args.max_tokens)
-    Stream(model, tokenizer, "warm-up", 4, steps=steps).run()
-    for clients in args.clients:
-        rows.append(run_sequential(model, tokenizer, steps, clients, args.requests, args.max_tokens))
+        tokenizer = load_tokenizer(args.checkpoint_path.parent)
+    document = document_of(tokenizer, args.document_tokens) if "mixed" in args.workloads else ""
+    started, generate_rate = {}, []
+    # generate.py's rate is measured while server.py is up and idle, just before its rows: speeds drift with the host.
+    started["server.py"], rows = serve_and_measure(
+        ours_command(args, args.port),
+        args.port,
+        "server.py",
+        args,
+        document,
+        lambda: generate_rate.append(generate_decode_rate(args)),
+    )
+    if args.llama_server is not None:
+        gguf, kind = peer_gguf(args)
+        peer = f"llama-server {kind}"
+        command = llama_server_command(args, args.port + 1, gguf)
+        started[peer], peer_rows = serve_and_measure(command, args.port + 1, peer, args, document)
+        rows += peer_rows
+    generate_rate = generate_rate[0]
     if args.json:
-        print(json.dumps({"server_start_s": started, "rows": rows}, indent=1))
+        print(json.dumps({"start_s": started, "generate_decode_tokens_per_s": generate_rate, "rows": rows}, indent=1))
         return
     print(
         f"{args.checkpoint_path}, {'compiled' if args.compile else 'eager'}, {os.cpu_count()} CPUs, "
-        f"torch threads {torch.get_num_threads()}, greedy, max_tokens {args.max_tokens}; "
-        f"server.py --max_seq_length {args.max_seq_length} started in {started:.0f} s"
+        f"torch threads {torch.get_num_threads()}, greedy, max_tokens {args.max_tokens}"
+        f"{' (ignore_eos)' if args.ignore_eos else ''}, "
+        f"{max(args.clients)} slots of {args.max_seq_length}; started in "
+        + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
     )
-    print("| server | clients | requests | tokens | wall s | total tok/s | TTFT p50 s | TTFT p95 s |")
-    print("|---|---|---|---|---|---|---|---|")
+    theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"] != "server.py"}
+    print(
+        "| server | load | clients | tokens | total tok/s | vs peer | TTFT p50 s | TTFT p95 s | largest gap s |"
+        " decode tok/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        peer = theirs.get((r["workload"], r["clients"]))
+        ratio = f"{r['total_tokens_per_s'] / peer['total_tokens_per_s']:.2f}x" if peer and peer is not r else ""
         print(
-            f"| {r['server']} | {r['clients']} | {r['requests']} | {r['completion_tokens']} | {r['wall_s']:.1f} | "
-            f"{r['total_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} |"
+            f"| {r['server']} | {r['workload']} | {r['clients']} | {r['completion_tokens']} | "
+            f"{r['total_tokens_per_s']:.1f} | {ratio} | {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} | "
+            f"{r['largest_gap_s']:.2f} | {r['decode_tokens_per_s']:.1f} |"
+        )
+    one = next((r for r in rows if r["server"] == "server.py" and r["workload"] == "chat" and r["clients"] == 1), None)
+    if one is not None:
+        print(
+            f"single stream: server.py decodes {one['decode_tokens_per_s']:.1f} tok/s, generate.py "
+            f"{generate_rate:.1f} tok/s: {one['decode_tokens_per_s'] / generate_rate:.2f}x"
         )
 
 

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import queue
+import random
 import re
 import shutil
 import socket
@@ -29,7 +30,7 @@ from transformers import PreTrainedTokenizerFast
 
 from api import HONOURED, NO_EFFECT, UNSUPPORTED
 from chat import encode_conversation
-from conftest import ROOT, SMOLLM2_DIR, make_hf_llama
+from conftest import ROOT, SMOLLM2_DIR, TINY_VOCAB, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from decode import Steps, Stream, compile_steps
 from engine import Choice, Engine
@@ -658,6 +659,15 @@ def test_sampling_fields(server, reference):
         .text
     )
     assert plain != penalized
+    # ignore_eos (vLLM's and llama.cpp's extension): a reply that ends with EOS goes on to max_tokens.
+    ended = [api.completions.create(model="tiny-chat", prompt=p, max_tokens=60, temperature=0) for p in PROMPTS]
+    prompt, stopped = next((p, a) for p, a in zip(PROMPTS, ended) if a.choices[0].finish_reason == "stop")
+    assert stopped.usage.completion_tokens < 60
+    longer = api.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=60, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert longer.usage.completion_tokens == 60 and longer.choices[0].finish_reason == "length"
+    assert longer.choices[0].text.startswith(stopped.choices[0].text)
 
 
 def test_next_chat_turn_reuses_the_slot_that_holds_its_conversation(server, reference):
@@ -926,6 +936,168 @@ def run_wave(engine, tokenizer, prompts, lengths, params, matchers=None) -> list
         texts[e.index] += e.text
         done += e.finish_reason is not None
     return texts
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tiny_tokenizer_json, tmp_path_factory) -> Path:
+    """The tiny model's shape with a context of 2048 positions: room for prompts of 1,500 tokens."""
+    folder = tmp_path_factory.mktemp("long")
+    make_hf_llama(folder / "hf", tiny_tokenizer_json, num_key_value_heads=2, max_position_embeddings=2048)
+    convert_hf_checkpoint(folder / "hf", folder / "long")
+    return folder / "long"
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, TINY_VOCAB) for _ in range(n)]  # no BOS, EOS or padding
+
+
+def run_steps(engine: Engine, choices: list[Choice]):
+    """Drives the engine's loop in this thread until the choices have ended."""
+    while any(not c.cancelled and (not c.tokens or holds(engine, c)) for c in choices):
+        engine.step()
+
+
+def holds(engine: Engine, choice: Choice) -> bool:
+    return any(c is choice for c in engine.slots)
+
+
+def greedy_choice(index: int, ids: list[int], max_tokens: int, events=None) -> Choice:
+    return Choice(index, ids, max_tokens, SamplingParams(), [], None, (events or queue.Queue()).put)
+
+
+def test_chunked_prefill_gives_each_prompt_its_text_alone(long_checkpoint):
+    """Prompts of mixed lengths entering in chunks of 7 tokens (several prompts' chunks in one loop's turn, a
+    prompt's chunks between decode steps of the others) get the greedy text they get prefilled whole, and alone."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(0)
+    prompts = [random_ids(rng, n) for n in (3, 40, 7, 150, 16, 61)]
+    texts = {}
+    for chunk in (7, 10_000):
+        engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 4, 512, Steps(), 8, prefill_chunk=chunk)
+        engine.thread.start()
+        texts[chunk] = run_wave(engine, tokenizer, prompts, [12] * 6, [SamplingParams()] * 6)
+        assert engine.counts["prefilled_tokens"] == sum(map(len, prompts))
+    alone = load_model(long_checkpoint / "model.pth")
+    assert texts[7] == texts[10_000] == [Stream(alone, tokenizer, p, 12).run().texts[0] for p in prompts]
+
+
+def test_a_long_prompt_enters_in_chunks_between_decode_steps_of_a_running_stream(long_checkpoint):
+    """A 1,500-token prompt arriving while a stream runs enters in chunks of 256 tokens, with a decode step of the
+    running stream between each two (the engine's step log); both get their greedy text alone."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(1)
+    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 2, 2048, Steps(), 8)
+    running = greedy_choice(0, random_ids(rng, 20), 60)
+    engine.submit([running])
+    engine.step()
+    assert running.tokens, "one turn prefills a short prompt and decodes"
+    long = greedy_choice(1, random_ids(rng, 1500), 5)
+    engine.submit([long])
+    run_steps(engine, [running, long])
+    log = list(engine.steps_taken)
+    streaming_row = log[0][1]
+    chunks = [i for i, step in enumerate(log) if step[0] == "prefill" and step[1] != streaming_row]
+    assert [log[i][2] for i in chunks] == [256] * 5 + [220]
+    for a, b in zip(chunks, chunks[1:]):
+        assert any(step[0] == "decode" and streaming_row in step[1] for step in log[a + 1 : b]), log[a : b + 1]
+    alone = load_model(long_checkpoint / "model.pth")
+    for c in (running, long):
+        assert c.tokens == Stream(alone, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]
+
+
+def test_a_prefix_held_by_any_slot_is_copied_and_never_read_stale(long_checkpoint):
+    """Two slots. Two prompts share 1,000 tokens, the first still decoding when the second comes: the second
+    copies them from the first's slot (cached_tokens 1,000; 3 tokens prefilled) and answers as alone. Then both
+    slots are overwritten by prompts sharing 300 and 1 of those tokens; a third prompt of the same 1,000 finds
+    the 300 still held, prefills the rest, and answers as alone. The n choices of one request share one
+    prefill."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(2)
+    prefix = random_ids(rng, 1000)
+    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 2, 2048, Steps(), 8)
+    alone_model = load_model(long_checkpoint / "model.pth")
+    alone = lambda c: Stream(alone_model, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]  # noqa: E731
+    first = greedy_choice(0, prefix + random_ids(rng, 4), 40)
+    engine.submit([first])
+    while not first.tokens:
+        engine.step()
+    second = greedy_choice(1, prefix + random_ids(rng, 3), 10)
+    engine.submit([second])
+    run_steps(engine, [second])
+    assert holds(engine, first), "the first should still be running"
+    assert second.reused == 1000 and engine.counts["copied_prompt_tokens"] == 1000
+    assert [s[2] for s in engine.steps_taken if s[0] == "prefill"][-1] == 3
+    run_steps(engine, [first])
+    assert first.tokens == alone(first) and second.tokens == alone(second)
+    overwriting = greedy_choice(2, prefix[:300] + random_ids(rng, 200), 30)
+    unrelated = greedy_choice(3, prefix[:1] + random_ids(rng, 49), 30)
+    engine.submit([overwriting, unrelated])
+    engine.step()
+    assert not any(held[:1000] == prefix for held in engine.cached)
+    third = greedy_choice(4, prefix + random_ids(rng, 5), 10)
+    engine.submit([third])
+    run_steps(engine, [overwriting, unrelated, third])
+    assert third.reused == 300 and third.tokens == alone(third) and overwriting.tokens == alone(overwriting)
+    # n = 3 choices of one request: one prefill of the prompt, then each other choice copies it and feeds its
+    # last token in the next decode step.
+    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 4, 2048, Steps(), 8)
+    ids = random_ids(rng, 100)
+    choices = [greedy_choice(i, ids, 8) for i in range(3)]
+    engine.submit(choices)
+    run_steps(engine, choices)
+    assert [c.reused for c in choices] == [0, 99, 99]
+    assert [s for s in engine.steps_taken if s[0] == "prefill"] == [("prefill", 0, 100)]
+    assert all(c.tokens == alone(c) for c in choices)
+
+
+def test_a_slot_holding_a_document_is_taken_last_and_steps_stay_small(long_checkpoint):
+    """A slot holding a long document is not overwritten by a short prompt while another slot is free, and the
+    document's next question takes it back; short prompts take the lowest free slots (a decode step runs rows
+    0..n-1)."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(4)
+    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 4, 2048, Steps(), 8)
+    document, question = random_ids(rng, 900), random_ids(rng, 20)
+    chats = [greedy_choice(i, question + random_ids(rng, 5), 3) for i in range(3)]
+    engine.submit(chats)
+    run_steps(engine, chats)
+    reading = greedy_choice(3, document + random_ids(rng, 5), 3)
+    engine.submit([reading])
+    run_steps(engine, [reading])
+    assert engine.cached[0][:900] == document, "the lowest free slot"
+    later = [greedy_choice(4, question + random_ids(rng, 5), 3), greedy_choice(5, document + random_ids(rng, 4), 3)]
+    engine.submit(later)
+    engine.step()
+    assert engine.slots[1] is later[0] and later[0].reused == 20  # not slot 0, which holds the document
+    assert engine.slots[0] is later[1] and later[1].reused == 900
+    run_steps(engine, later)
+
+
+def test_a_prompt_whose_client_left_frees_its_slot_at_the_next_chunk_and_arrival_order_holds(long_checkpoint):
+    """One slot: a 1,000-token prompt enters in chunks of 64; its client goes away after the first, and the slot
+    is free after the next turn, with no more chunks of it. Choices waiting for the slot take it in the order they
+    came."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(3)
+    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 1, 2048, Steps(), 8, prefill_chunk=64)
+    events = queue.Queue()
+    gone = greedy_choice(0, random_ids(rng, 1000), 5, events)
+    waiting = [greedy_choice(i, random_ids(rng, 10 + i), 3, events) for i in (1, 2, 3)]
+    engine.submit([gone])
+    engine.submit(waiting)
+    engine.step()
+    assert list(engine.steps_taken) == [("prefill", 0, 64)]
+    gone.cancelled = True
+    engine.step()
+    assert not holds(engine, gone) and list(engine.steps_taken) == [("prefill", 0, 64)]
+    run_steps(engine, waiting)
+    firsts = []
+    while not events.empty():
+        e = events.get()
+        assert e.index != 0
+        if e.index not in firsts:
+            firsts.append(e.index)
+    assert firsts == [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
