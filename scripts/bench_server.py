@@ -159,7 +159,10 @@ def peer_gguf(args) -> tuple[Path, str]:
     if quantization is not None and quantization.get("method") == "gguf":
         return args.gguf, gguf_file_type(args.gguf)
     kind = LLAMA_CPP_TYPES[quantization["mode"] if quantization else "float32"]
-    return gguf_variant(args.gguf, kind, torch.get_num_threads()), kind
+    try:
+        return gguf_variant(args.gguf, kind, torch.get_num_threads()), kind
+    except ImportError:
+        raise ValueError(f"a {kind} copy of {args.gguf} is made by llama.cpp: pip install llama-cpp-python") from None
 
 
 def llama_server_command(args, port: int, gguf: Path) -> list[str]:
@@ -304,6 +307,7 @@ def main(argv=None):
     with user_errors():
         args = parse_args(argv)
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
+        peer = None if args.llama_server is None else peer_gguf(args)
     document = document_of(tokenizer, args.document_tokens) if "mixed" in args.workloads else ""
     started, generate_rate = {}, []
     # generate.py's rate is measured while server.py is up and idle, just before its rows: speeds drift with the host.
@@ -315,11 +319,11 @@ def main(argv=None):
         document,
         lambda: generate_rate.append(generate_decode_rate(args)),
     )
-    if args.llama_server is not None:
-        gguf, kind = peer_gguf(args)
-        peer = f"llama-server {kind}"
+    if peer is not None:
+        gguf, kind = peer
+        name = f"llama-server {kind}"
         command = llama_server_command(args, args.port + 1, gguf)
-        started[peer], peer_rows = serve_and_measure(command, args.port + 1, peer, args, document)
+        started[name], peer_rows = serve_and_measure(command, args.port + 1, name, args, document)
         rows += peer_rows
     generate_rate = generate_rate[0]
     if args.json:

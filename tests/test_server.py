@@ -249,7 +249,10 @@ def test_content_parts_tokenize_and_metrics(server, reference):
     assert moved[("gptfast_generation_tokens_total", ())] == done.usage.completion_tokens
     assert moved[("gptfast_time_to_first_token_seconds_count", ())] == 1
     assert moved[("gptfast_inter_token_latency_seconds_count", ())] == done.usage.completion_tokens - 1
+    fed = done.usage.prompt_tokens - done.usage.prompt_tokens_details.cached_tokens
+    assert moved.get(("gptfast_prefilled_tokens_total", ()), 0) == fed
     assert after[("gptfast_slots", ())] == 16 and after[("gptfast_busy_slots", ())] == 0
+    assert after[("gptfast_prefilling_slots", ())] == 0 and after[("gptfast_decode_steps_total", ())] > 0
 
 
 def test_every_openai_field_is_honoured_refused_or_documented(server):
