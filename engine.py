@@ -207,7 +207,7 @@ class Engine:
         self.admit()
         if self.prefilling:
             self.prefill_chunk_of_prompts()
-        rows = [i for i in self.busy_slots() if i not in self.prefilling]
+        rows = [i for i in range(len(self.slots)) if self.decoding(i)]
         if rows:
             try:
                 if self.draft is not None and all(speculable(self.slots[i]) for i in rows):
@@ -319,9 +319,7 @@ class Engine:
         what row holds (the draft's too, as far as its cache holds them)."""
         c, held = self.slots[row], len(self.cached[row])
         others = [i for i in range(len(self.slots)) if i != row]
-        if not others:
-            return
-        source = max(others, key=lambda i: cached_prefix(self.cached[i], c.ids))
+        source = max(others, key=lambda i: cached_prefix(self.cached[i], c.ids), default=row)
         length = cached_prefix(self.cached[source], c.ids)
         if length <= held:
             return
