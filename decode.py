@@ -133,8 +133,11 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
     # we start inherit it.
     if decode or prefill:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-    if device.type == "cuda":  # a CUDA graph replays the whole step, with none of the checks below
-        step = {"mode": "reduce-overhead"}
+    if device.type == "cuda":
+        # A CUDA graph replays the whole step, with none of the checks below ("reduce-overhead"). Coordinate
+        # descent tuning also makes inductor write a one-row product as a multiply-and-sum that it tunes, into
+        # which an int8 weight's widening fuses (kernels.linear): without it the widened weights are written out.
+        step = {"options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}}
     else:  # Dynamo's guards check each input's shape and stride before a call already; the compiled code's
         # own re-check of each is a measurable share of a small model's decode step. A value read more than once
         # is written once rather than recomputed at each read: inductor would otherwise recompute a norm's output
@@ -155,6 +158,7 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
     return eager._replace(**steps)
 
 
+@torch.no_grad()
 def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Steps, *, start_pos=0, pad_id=0):
     """Yields (token [B, 1], log-probs or None) per new token: the first from the prefill, then one per decode step.
 
@@ -246,8 +250,9 @@ def draft_and_verify(
     for _ in range(k):
         refill_noise()
         token, p = steps.draft(draft, token, at, s_draft, greedy, window)
-        drafted.append(token.clone())  # copies: CUDA graphs reuse their output buffers on the next call
-        probs.append(p.clone())
+        token, p = token.clone(), p.clone()  # copies: CUDA graphs reuse their output buffers on the next call
+        drafted.append(token)
+        probs.append(p)
         at = at[..., -1:] + 1
     drafted = torch.cat(drafted, dim=1)
     verify_at = at - k + torch.arange(k + 1, device=at.device)  # the current tokens' positions, then the drafts'

@@ -202,6 +202,12 @@ def load_model(
     return model
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The float dtype of a model loaded without one named: bfloat16 on CUDA, float32 on a CPU (most CPUs have no
+    native bfloat16 matrix products)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def load_models(
     checkpoint_path: str | Path,
     device: torch.device,
@@ -212,13 +218,12 @@ def load_models(
     shard=None,
 ) -> tuple[Transformer, Tokenizer, Transformer | None]:
     """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
-    the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for bfloat16 on CUDA and float32 on a CPU (most CPUs
-    have no native bfloat16 matrix products); the CPU kernels are Kernels.choose(device, compiled, matvec, quantized),
-    quantized when either checkpoint is."""
+    the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for default_dtype(device); the CPU kernels are
+    Kernels.choose(device, compiled, matvec, quantized), quantized when either checkpoint is."""
     paths = [p for p in (checkpoint_path, draft_checkpoint_path) if p is not None]
     quantized = any(load_checkpoint(resolve_checkpoint(p))[1] is not None for p in paths)  # memory-mapped: cheap
     kernels = Kernels.choose(device, compiled, matvec, quantized)
-    dtype = DTYPES[dtype_name] if dtype_name else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = DTYPES[dtype_name] if dtype_name else default_dtype(device)
     model = load_model(checkpoint_path, device, dtype, shard, kernels)
     tokenizer = load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
     draft = None

@@ -57,7 +57,7 @@ from checkpoint import (  # noqa: E402
 )
 from config import ModelArgs  # noqa: E402
 from decode import compile_steps, ensure_caches  # noqa: E402
-from generate import generate, load_model  # noqa: E402
+from generate import default_dtype, generate, load_model  # noqa: E402
 from kernels import MATVECS, Kernels, set_kernels  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
@@ -194,11 +194,13 @@ def base_model(args, dtype: torch.dtype, kernels: Kernels) -> Transformer:
 def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False) -> Entry:
     compiled, precision = config.compiled, config.precision
     kernels = Kernels.choose(args.device, compiled, config.matvec, quantized=precision in ("int8", "int4"))
+    # int8 / int4: the float parts (and the activations) in generate.py's dtype for the device
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(precision, default_dtype(args.device))
 
     def build():
         if config.checkpoint is not None:
-            return load_model(config.checkpoint, args.device, torch.float32, kernels=kernels)
-        base = base_model(args, torch.bfloat16 if precision == "bfloat16" else torch.float32, kernels)
+            return load_model(config.checkpoint, args.device, dtype, kernels=kernels)
+        base = base_model(args, dtype, kernels)
         return (
             base if precision in ("float32", "bfloat16") else quantize_model(base, precision, args.groupsize, kernels)
         )
@@ -206,9 +208,11 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
     model, memory = measure_memory(args.device, build)
     draft = None
     if with_draft and args.draft in ("int8", "int4"):  # the target's own quantized copy
-        draft = quantize_model(base_model(args, torch.float32, kernels), args.draft, args.groupsize, kernels)
+        draft = quantize_model(
+            base_model(args, default_dtype(args.device), kernels), args.draft, args.groupsize, kernels
+        )
     elif with_draft:
-        draft = load_model(args.draft, args.device, torch.float32, kernels=kernels)
+        draft = load_model(args.draft, args.device, default_dtype(args.device), kernels=kernels)
     # Compiled: the decode steps; the prefill stays eager (compiling it for dynamic shapes costs minutes here).
     steps = compile_steps(args.device, decode=compiled)
     extra = dict(draft_model=draft, speculate_k=args.speculate_k) if draft is not None else {}
