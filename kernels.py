@@ -243,9 +243,13 @@ class Int8Linear(nn.Module):
         # kernels_cpu.cpp's layout (int8_native_layout) and the scales as float32 it takes
         self.register_buffer("native_packed", None, persistent=False)
         self.register_buffer("native_scales", None, persistent=False)
+        # both layouts of a pair of layers, this one's first (join_native)
+        self.register_buffer("joined_packed", None, persistent=False)
+        self.register_buffer("joined_scales", None, persistent=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
+        self.joined_packed = self.joined_scales = None  # join_native's, of the layouts made before
         self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
         # kernels_cpu.cpp's byte products need weights in [-127, 127] (ours are), its layout whole groups of channels
         # and of 64 inputs.
@@ -257,11 +261,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
         if self.native_packed is not None and x.numel() // self.in_features <= NATIVE_ROWS:
-            isa = NATIVE_ISAS.index(self.kernels.int8_native)
-            y = torch.ops.gpt_fast.int8_linear(
-                x.reshape(-1, self.in_features).float(), self.native_packed, self.native_scales, isa
-            )
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = native_linear(self, x, self.native_packed, self.native_scales)
             return y if self.bias is None else y + self.bias
         fused_rows = fused_rows if self.kernels.quant_matvec == "fused" else 0
         if x.is_cuda or fuses(x, fused_rows):  # see linear
@@ -299,12 +299,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("group_offsets", None, persistent=False)
         # kernels_cpu.cpp's layout (products of up to NATIVE_ROWS rows; int4_native_layout)
         self.register_buffer("native_packed", None, persistent=False)
+        self.register_buffer("joined_packed", None, persistent=False)  # as Int8Linear's
+        self.register_buffer("joined_scales", None, persistent=False)  # always None: int4 scales are inline
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
         """Converts the stored packing to the layout of this device's int4 kernel, and on a CPU to kernels_cpu.cpp's
         layout (kernels.int4_native), else to the halves layout when one-row products are fused (kernels.quant_matvec)
         and each half of the inputs holds whole groups."""
+        self.joined_packed = None  # join_native's, of the layouts made before
         cuda = self.weight.is_cuda  # the CUDA kernel takes bfloat16 only
         self.kernel_scales_and_zeros = self.scales_and_zeros.to(
             torch.bfloat16 if cuda else self.kernels.kernel_activations
@@ -344,9 +347,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
         if self.native_packed is not None and x.numel() // self.in_features <= NATIVE_ROWS:
-            isa = NATIVE_ISAS.index(self.kernels.int4_native)
-            y = torch.ops.gpt_fast.int4_linear(x.reshape(-1, self.in_features).float(), self.native_packed, isa)
-            y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            y = native_linear(self, x, self.native_packed)
             return y if self.bias is None else y + self.bias
         # fused_rows: the halves layout fuses one row only, which every step allows
         if self.halves is not None and x.numel() == self.in_features:
@@ -375,3 +376,41 @@ class Int4Linear(nn.Module):
             y = y.to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def native_linear(layer: nn.Module, x: Tensor, packed: Tensor, scales: Tensor | None = None) -> Tensor:
+    """x [..., K] by kernels_cpu.cpp's layout packed (an int8 layer's, with its float32 scales, or an int4 layer's)
+    of layer, or of layers joined by join_native -> [..., N], in x's dtype, without bias."""
+    x2d = x.reshape(-1, x.shape[-1]).float()
+    if scales is None:
+        y = torch.ops.gpt_fast.int4_linear(x2d, packed, NATIVE_ISAS.index(layer.kernels.int4_native))
+    else:
+        y = torch.ops.gpt_fast.int8_linear(x2d, packed, scales, NATIVE_ISAS.index(layer.kernels.int8_native))
+    return y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def join_native(first: nn.Module, second: nn.Module):
+    """For two layers that read the same input (a gated MLP's gate and up projections), kernels_cpu.cpp's layouts of
+    both as one (first.joined_packed, and first.joined_scales for int8), their outputs side by side; the layers'
+    own layouts become views of it (no second copy). pair_linear then reads both in one call: one stream of
+    weights and one round of the threads instead of two. None where they do not both run the kernel alike."""
+    native = [getattr(layer, "native_packed", None) for layer in (first, second)]
+    joinable = type(first) is type(second) and all(p is not None for p in native)
+    joinable = joinable and first.bias is None and second.bias is None
+    first.joined_packed = first.joined_scales = None
+    if not joinable:
+        return
+    first.joined_packed = torch.cat(native)
+    first.native_packed, second.native_packed = first.joined_packed.split([len(native[0]), len(native[1])])
+    if isinstance(first, Int8Linear):
+        first.joined_scales = torch.cat([first.native_scales, second.native_scales])
+        first.native_scales, second.native_scales = first.joined_scales.split([first.out_features, second.out_features])
+
+
+def pair_linear(first: nn.Module, second: nn.Module, x: Tensor, fused_rows: int = 1) -> tuple[Tensor, Tensor]:
+    """first(x), second(x): in one kernels_cpu.cpp call where join_native joined them and x has few rows."""
+    joined = getattr(first, "joined_packed", None)
+    if joined is not None and x.numel() // x.shape[-1] <= NATIVE_ROWS:
+        y = native_linear(first, x, joined, first.joined_scales)
+        return y.split([first.out_features, second.out_features], dim=-1)
+    return first(x, fused_rows), second(x, fused_rows)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config import HIDDEN_ACTS, ModelArgs
-from kernels import Kernels, Linear, fuses, linear
+from kernels import Kernels, Linear, fuses, linear, pair_linear
 
 ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approximate="tanh"))))
 
@@ -285,8 +285,10 @@ class FeedForward(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
-        h = self.act(self.w1(x, fused_rows))
-        return self.w2(h if self.w3 is None else h * self.w3(x, fused_rows), fused_rows)
+        if self.w3 is None:
+            return self.w2(self.act(self.w1(x, fused_rows)), fused_rows)
+        gate, up = pair_linear(self.w1, self.w3, x, fused_rows)  # one pass over both where kernels join them
+        return self.w2(self.act(gate) * up, fused_rows)
 
 
 class MoEFeedForward(nn.Module):

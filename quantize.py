@@ -23,8 +23,8 @@ from torch import Tensor
 
 from checkpoint import HelpFormatter, load_checkpoint, resolve_checkpoint, save_atomic, user_errors
 from config import ModelArgs
-from kernels import Int4Linear, Int8Linear, Kernels, set_kernels
-from model import Transformer
+from kernels import Int4Linear, Int8Linear, Kernels, join_native, set_kernels
+from model import FeedForward, Transformer
 from tokenizer import load_tokenizer, read_text
 
 FORMAT_VERSION = 1
@@ -138,10 +138,14 @@ def load_checkpoint_model(path: Path) -> tuple[Transformer, dict | None]:
 
 
 def prepare_quantized(model):
-    """Makes the int4 layouts that each layer's kernels need (so after set_kernels), on its device."""
+    """Makes the layouts that each layer's kernels need (so after set_kernels), on its device, and joins a gated
+    MLP's gate and up projections for kernels_cpu.cpp (kernels.join_native)."""
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             module.prepare()
+    for module in model.modules():
+        if isinstance(module, FeedForward) and module.w3 is not None:
+            join_native(module.w1, module.w3)
 
 
 # ---------------------------------------------------------------- GPTQ

@@ -208,6 +208,60 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     assert odd.native_packed is None and odd.packed is not None
 
 
+def int8_layer(n: int, k: int, seed: int, native: bool = True) -> kernels.Int8Linear:
+    torch.manual_seed(seed)
+    layer = kernels.Int8Linear(k, n)
+    layer.weight, layer.scales = qz.quantize_int8(torch.randn(n, k))
+    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa() if native else None)
+    layer.prepare()
+    return layer
+
+
+def int4_layer(n: int, k: int, seed: int) -> kernels.Int4Linear:
+    torch.manual_seed(seed)
+    w, layer = torch.randn(n, k), kernels.Int4Linear(k, n, 32)
+    scales, zeros = qz.int4_group_params(w, 32)
+    layer.weight = qz.pack_int4(qz.quantize_int4_values(w, scales, zeros, 32))
+    layer.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa())
+    layer.prepare()
+    return layer
+
+
+@pytest.mark.parametrize("make", [int8_layer, int4_layer], ids=["int8", "int4"])
+def test_joined_pair_equals_each_layer(ops, make, monkeypatch):
+    """join_native: a gate and up projection in one kernels_cpu.cpp call give each layer's own outputs bitwise (a
+    channel's sum never sees the others), for 1 to 8 rows; the layers' layouts become views of the joined one (no
+    second copy); more rows, or a layer prepared again, go back to one call per layer."""
+    gate, up = make(96, 192, 6), make(64, 192, 7)
+    alone = [layer.native_packed.clone() for layer in (gate, up)]
+    kernels.join_native(gate, up)
+    assert gate.native_packed.data_ptr() == gate.joined_packed.data_ptr()
+    assert all(torch.equal(layer.native_packed, packed) for layer, packed in zip((gate, up), alone))
+    calls = []
+    native_linear = kernels.native_linear
+    monkeypatch.setattr(kernels, "native_linear", lambda *a: calls.append(a[2].shape[0]) or native_linear(*a))
+    x = torch.randn(9, 192)
+    for rows in (1, 3, 8, 9):
+        g, u = kernels.pair_linear(gate, up, x[:rows])
+        assert torch.equal(g, gate(x[:rows])) and torch.equal(u, up(x[:rows]))
+    # per row count: the pair's one call of 40 groups of channels, then each layer's own (24, 16); 9 rows: none
+    assert calls == [40, 24, 16] * 3
+    gate.prepare()
+    assert gate.joined_packed is None
+
+
+def test_joined_pair_needs_two_native_layers_alike(ops):
+    """A pair joins only where both layers run the kernel, of one kind, without bias."""
+    native, plain = int8_layer(96, 192, 8), int8_layer(96, 192, 9, native=False)
+    for first, second in [(native, plain), (native, int4_layer(96, 192, 10))]:
+        kernels.join_native(first, second)
+        assert first.joined_packed is None
+        x = torch.randn(2, 192)
+        g, u = kernels.pair_linear(first, second, x)
+        assert torch.equal(g, first(x)) and torch.equal(u, second(x))
+
+
 def test_without_a_compiler_the_pytorch_paths_run(tiny_checkpoint, tmp_path):
     """CXX pointing at no compiler: a float checkpoint never tries the build; an int8 one says in one line that
     kernels_cpu.cpp did not build and runs on ATen's kernels; --kernels native is refused after that line."""
