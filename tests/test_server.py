@@ -834,8 +834,14 @@ def test_bad_inputs_get_errors_and_the_server_goes_on(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (endpoint, body, r.text)
     r = httpx.post(text, content=b'{"prompt": "' + b"x" * (1 << 20) + b'"}', headers=auth)
     assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    before = metric_samples(url)
     assert httpx.get(url + "/v1/models").status_code == 401
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+    after = metric_samples(url)
+    for status, count in [("401", 2), ("200", 1)]:
+        key = ("gptfast_requests_total", (("endpoint", "/v1/models"), ("status", status)))
+        assert after[key] - before.get(key, 0) == count
     assert httpx.get(url + "/health").status_code == 200  # outside /v1: no key
     ok = httpx.post(text, json={"prompt": "x", "max_tokens": 2}, headers=auth)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
