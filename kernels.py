@@ -249,7 +249,7 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
-        self.joined_packed = self.joined_scales = None  # join_native's, of the layouts made before
+        self.joined_packed = None  # join_native's, of the layouts made before
         self.kernel_scales = self.scales.to(self.kernels.kernel_activations)
         # kernels_cpu.cpp's byte products need weights in [-127, 127] (ours are), its layout whole groups of channels
         # and of 64 inputs.
@@ -299,8 +299,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("group_offsets", None, persistent=False)
         # kernels_cpu.cpp's layout (products of up to NATIVE_ROWS rows; int4_native_layout)
         self.register_buffer("native_packed", None, persistent=False)
-        self.register_buffer("joined_packed", None, persistent=False)  # as Int8Linear's
-        self.register_buffer("joined_scales", None, persistent=False)  # always None: int4 scales are inline
+        self.register_buffer("joined_packed", None, persistent=False)  # as Int8Linear's (int4 scales are inline)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def prepare(self):
@@ -393,11 +392,12 @@ def join_native(first: nn.Module, second: nn.Module):
     """For two layers that read the same input (a gated MLP's gate and up projections), kernels_cpu.cpp's layouts of
     both as one (first.joined_packed, and first.joined_scales for int8), their outputs side by side; the layers'
     own layouts become views of it (no second copy). pair_linear then reads both in one call: one stream of
-    weights and one round of the threads instead of two. None where they do not both run the kernel alike."""
+    weights and one round of the threads instead of two. joined_packed stays None where they do not both run the
+    kernel alike."""
     native = [getattr(layer, "native_packed", None) for layer in (first, second)]
     joinable = type(first) is type(second) and all(p is not None for p in native)
     joinable = joinable and first.bias is None and second.bias is None
-    first.joined_packed = first.joined_scales = None
+    first.joined_packed = None
     if not joinable:
         return
     first.joined_packed = torch.cat(native)
@@ -411,6 +411,6 @@ def pair_linear(first: nn.Module, second: nn.Module, x: Tensor, fused_rows: int 
     """first(x), second(x): in one kernels_cpu.cpp call where join_native joined them and x has few rows."""
     joined = getattr(first, "joined_packed", None)
     if joined is not None and x.numel() // x.shape[-1] <= NATIVE_ROWS:
-        y = native_linear(first, x, joined, first.joined_scales)
+        y = native_linear(first, x, joined, getattr(first, "joined_scales", None))
         return y.split([first.out_features, second.out_features], dim=-1)
     return first(x, fused_rows), second(x, fused_rows)

@@ -154,16 +154,33 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
         assert torch.equal(compiled(x, isa), alone) and torch.equal(compiled(x[:1], isa), alone[:1])
 
 
+def int8_layer(n: int, k: int, seed: int, native: bool = True) -> kernels.Int8Linear:
+    """An Int8Linear of a random [n, k] weight, prepared for kernels_cpu.cpp (or not: native=False)."""
+    torch.manual_seed(seed)
+    layer = kernels.Int8Linear(k, n)
+    layer.weight, layer.scales = qz.quantize_int8(torch.randn(n, k))
+    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa() if native else None)
+    layer.prepare()
+    return layer
+
+
+def int4_layer(n: int, k: int, seed: int, groupsize: int = 32) -> kernels.Int4Linear:
+    """An Int4Linear of a random [n, k] weight, prepared for kernels_cpu.cpp."""
+    torch.manual_seed(seed)
+    w, layer = torch.randn(n, k), kernels.Int4Linear(k, n, groupsize)
+    scales, zeros = qz.int4_group_params(w, groupsize)
+    layer.weight = qz.pack_int4(qz.quantize_int4_values(w, scales, zeros, groupsize))
+    layer.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()  # [K / groupsize, N, 2]
+    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa())
+    layer.prepare()
+    return layer
+
+
 def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
     """Int8Linear with Kernels.int8_native: rows up to NATIVE_ROWS by the kernel (int8 activations: ~4e-3 from
     float64 here), more by ATen's paths; a weight of -128, which the byte products cannot take, and shapes that do not
     make whole groups of 4 channels and 64 inputs keep the layer off the kernel."""
-    torch.manual_seed(4)
-    w = torch.randn(96, 192)
-    layer = kernels.Int8Linear(192, 96)
-    layer.weight, layer.scales = qz.quantize_int8(w)
-    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa())
-    layer.prepare()
+    layer = int8_layer(96, 192, 4)
     x = torch.randn(5, 192)
     packed = kernels.int8_native_layout(layer.weight)
     expected = ops.int8_linear(x, packed, layer.scales, kernels.NATIVE_ISAS.index(kernels.native_isa()))
@@ -186,15 +203,8 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     """Int4Linear with Kernels.int4_native: its stored groups become kernels_cpu.cpp's per-block float16 scales and
     offsets; rows up to NATIVE_ROWS run the kernel, within int8 activations' error of the float64 product of the
     stored weights; more rows run ATen's kernel. A K that is not a multiple of 64 keeps the layer off the kernel."""
-    torch.manual_seed(5)
-    w = torch.randn(96, 256)
-    layer = kernels.Int4Linear(256, 96, groupsize)
-    scales, zeros = qz.int4_group_params(w, groupsize)
-    codes = qz.quantize_int4_values(w, scales, zeros, groupsize)
-    layer.weight = qz.pack_int4(codes)
-    layer.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()  # [K / groupsize, N, 2]
-    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa())
-    layer.prepare()
+    layer = int4_layer(96, 256, 5, groupsize)
+    codes, (scales, zeros) = kernels.unpack_int4(layer.weight), layer.scales_and_zeros.transpose(0, 1).unbind(-1)
     x = torch.randn(8, 256)
     isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
     assert torch.equal(layer(x), ops.int4_linear(x, layer.native_packed, isa))
@@ -206,26 +216,6 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     odd.kernels = layer.kernels
     odd.prepare()
     assert odd.native_packed is None and odd.packed is not None
-
-
-def int8_layer(n: int, k: int, seed: int, native: bool = True) -> kernels.Int8Linear:
-    torch.manual_seed(seed)
-    layer = kernels.Int8Linear(k, n)
-    layer.weight, layer.scales = qz.quantize_int8(torch.randn(n, k))
-    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa() if native else None)
-    layer.prepare()
-    return layer
-
-
-def int4_layer(n: int, k: int, seed: int) -> kernels.Int4Linear:
-    torch.manual_seed(seed)
-    w, layer = torch.randn(n, k), kernels.Int4Linear(k, n, 32)
-    scales, zeros = qz.int4_group_params(w, 32)
-    layer.weight = qz.pack_int4(qz.quantize_int4_values(w, scales, zeros, 32))
-    layer.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
-    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa())
-    layer.prepare()
-    return layer
 
 
 @pytest.mark.parametrize("make", [int8_layer, int4_layer], ids=["int8", "int4"])
