@@ -44,15 +44,14 @@ def prefill(
     n_logprobs: int | None,
     first_row: int = 0,
     kv_length: int | None = None,
-    fused_rows: int = 1,
     last: Tensor | None = None,
 ):
     # x: [B, S] prompts in cache slots input_pos ([S], or [B, S] per row) of cache rows first_row..
     # -> first new token [B, 1] (and its log-probs), from each row's last position, or from position last[b] of
-    # row b where rows are right-padded. fused_rows, here and in every step: the model's (1 when eager).
-    logits = model(
-        x, input_pos, left_pad, last is None, first_row=first_row, kv_length=kv_length, fused_rows=fused_rows
-    )
+    # row b where rows are right-padded. No product fuses (fused_rows 0), eager or compiled: the prompt's are of
+    # many rows, and the output projection of the last one, fused eagerly, would materialise a vocabulary-sized
+    # float32 temporary.
+    logits = model(x, input_pos, left_pad, last is None, first_row=first_row, kv_length=kv_length, fused_rows=0)
     at_end = logits[:, -1] if last is None else logits[torch.arange(x.shape[0], device=x.device), last]
     return sample(at_end, s, greedy, n_logprobs)
 
@@ -73,6 +72,7 @@ def decode_one_token(model, x, input_pos, left_pad, s, greedy, n_logprobs, windo
     # The arguments as prefill's. x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and
     # its log-probs). window: a tensor whose length is the model's kv_length (None: the whole cache); marked dynamic
     # (torch._dynamo.mark_dynamic), one compiled graph serves every length, which a plain int argument would not.
+    # fused_rows, here and in the other decode-shaped steps: the model's (compile_steps binds FUSED_ROWS).
     logits = model(x, input_pos, left_pad, kv_length=kv_length(window), fused_rows=fused_rows)
     return sample(logits[:, -1], s, greedy, n_logprobs)
 
@@ -153,8 +153,9 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
             compiled = torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
             steps[name] = functools.partial(skip_unchanged_modules(compiled), fused_rows=FUSED_ROWS)
     if prefill:
-        compiled = torch.compile(eager.prefill, fullgraph=True, dynamic=True)
-        steps["prefill"] = functools.partial(compiled, fused_rows=FUSED_ROWS)
+        # Static at the first prompt length, dynamic from the second (dynamic=True from the first would make the
+        # layers' float attributes symbolic, which a layer compiled once for all cannot guard on).
+        steps["prefill"] = torch.compile(eager.prefill, fullgraph=True)
     return eager._replace(**steps)
 
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-GEMM_ROWS = 16  # from this many rows, Int8Linear on a CPU widens its weight for a matrix product
+GEMM_ROWS = 16  # from this many rows, a CPU widens int8 (and half-precision) weights for a matrix product
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
@@ -33,12 +33,18 @@ MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kerne
 NATIVE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
+@functools.cache
+def cpuinfo_words() -> frozenset[str]:
+    """The words of /proc/cpuinfo: the CPU's flags and vendor (empty where there is none)."""
+    return frozenset(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else frozenset()
+
+
 def native_isas() -> list[str]:
     """The paths of kernels_cpu.cpp this process may run, best last: those of the CPU's instructions that torch's CPU
     capability allows. ATEN_CPU_CAPABILITY=avx2 forces plain AVX2 (no AVX-512, no AVX-VNNI: a Zen 3's instructions),
     as it does for ATen's and inductor's code."""
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    flags = cpuinfo_words()
     forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
     allowed = {
         "scalar": True,
@@ -94,6 +100,9 @@ def native_kernels() -> bool:
     torch.library.register_fake("gpt_fast::int4_linear")(
         lambda x, packed, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
+    torch.library.register_fake("gpt_fast::int4_weights")(
+        lambda packed: packed.new_empty(packed.shape[0] * NATIVE_GROUP, packed.shape[1] * 64, dtype=torch.bfloat16)
+    )
     return True
 
 
@@ -132,7 +141,10 @@ class Kernels:
     # few-row products with float weights, and a few queries' with the KV cache: "library" (BLAS) or "fused"
     float_matvec: str = "library"
     quant_matvec: str = "library"  # few-row products with int8/int4 weights: "library" (ATen's kernels) or "fused"
-    gemm_dtype: torch.dtype = torch.float32  # many-row int8 products widen the weights to this dtype
+    # float32 products that do not fuse: "blas" (F.linear: MKL) or "onednn" (onednn_linear)
+    float_gemm: str = "blas"
+    # many-row products of int8 weights, and of half-precision ones in another dtype, compute in this dtype
+    gemm_dtype: torch.dtype = torch.float32
     kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
     # NATIVE_ISAS paths: int8 / int4 products of up to NATIVE_ROWS rows by kernels_cpu.cpp (None: not)
     int8_native: str | None = None
@@ -150,24 +162,28 @@ class Kernels:
         far faster than the other paths, on AVX-512 level with or faster than the fused one. Where the file
         cannot be built: "fused" where AVX-512 converts bytes to floats fast enough, ATen's int8/int4 kernels on
         AVX2. Widening int8 weights to bfloat16 for a matrix product pays off only with native bfloat16
-        (AVX512-BF16, AMX): without it, matrix products emulate bfloat16 and lose to float32
-        (docs/performance.md has the figures behind each choice)."""
+        (AVX512-BF16, AMX): without it, matrix products emulate bfloat16 and lose to float32, so bfloat16 and
+        float16 weights too are widened to float32 there for products of many rows. float32 products that do
+        not fuse run oneDNN on CPUs other than Intel's (docs/performance.md has the figures behind each choice)."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         native_bf16 = avx512 and torch.cpu._is_avx512_bf16_supported()
+        # MKL, which F.linear runs for float32, is Intel's: on the AMD CPUs measured oneDNN's product is faster.
+        onednn = "GenuineIntel" not in cpuinfo_words() and torch.backends.mkldnn.is_available()
         gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
+        common = dict(float_gemm="onednn" if onednn else "blas", gemm_dtype=gemm_dtype)
         if matvec in ("fused", "library"):
-            return cls(matvec, matvec, gemm_dtype)
+            return cls(matvec, matvec, **common)
         fused = "fused" if compiled and device.type == "cpu" else "library"
         quant = fused if avx512 else "library"
         if matvec == "native":
             if device.type != "cpu" or not native_kernels():
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
-            return cls(fused, "library", gemm_dtype, int8_native=native_isa(), int4_native=native_isa())
+            return cls(fused, "library", int8_native=native_isa(), int4_native=native_isa(), **common)
         if quantized and device.type == "cpu" and native_kernels():
-            return cls(fused, quant, gemm_dtype, int8_native=native_isa(), int4_native=native_isa())
-        return cls(fused, quant, gemm_dtype)
+            return cls(fused, quant, int8_native=native_isa(), int4_native=native_isa(), **common)
+        return cls(fused, quant, **common)
 
     def describe(self) -> dict:
         dtypes = {"gemm_dtype": self.gemm_dtype, "kernel_activations": self.kernel_activations}
@@ -175,6 +191,7 @@ class Kernels:
             "cpu": torch.backends.cpu.get_cpu_capability(),
             "float_matvec": self.float_matvec,
             "quant_matvec": self.quant_matvec,
+            "float_gemm": self.float_gemm,
             "int8_native": self.int8_native,
             "int4_native": self.int4_native,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
@@ -200,14 +217,22 @@ def fuses(x: Tensor, fused_rows: int) -> bool:
 
 
 def linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, scales: Tensor | None = None, fused_rows: int = 0
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    scales: Tensor | None = None,
+    fused_rows: int = 0,
+    kernels: "Kernels | None" = None,
 ) -> Tensor:
     """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. x of up to fused_rows rows
-    on a CPU (0: none): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights."""
+    on a CPU (0: none): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights.
+    Other products on a CPU: by the library kernels choose (see cpu_product); None, or on CUDA: F.linear."""
     if fuses(x, fused_rows):
         w = weight.float()
         y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
         y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
+    elif kernels is not None and x.device.type == "cpu":
+        y = cpu_product(x, weight, scales, kernels)
     elif scales is None:
         y = F.linear(x, weight)
     else:  # int8 weights, widened for the product (on CUDA, torch.compile fuses that into it)
@@ -215,12 +240,41 @@ def linear(
     return y if bias is None else y + bias
 
 
+def cpu_product(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kernels") -> Tensor:
+    """x @ weight.T (times scales) on a CPU, in x's dtype. Computed in x's dtype where the CPU multiplies it natively
+    (float32, or kernels.gemm_dtype) or for fewer than GEMM_ROWS rows (widening the weight would cost more than the
+    product), else in float32; float32 by oneDNN where kernels.float_gemm says so."""
+    x2d = x.reshape(-1, x.shape[-1])
+    native = x.dtype in (torch.float32, kernels.gemm_dtype)
+    dtype = x.dtype if native or x2d.shape[0] < GEMM_ROWS else torch.float32
+    w = weight.to(dtype)
+    if dtype == torch.float32 and kernels.float_gemm == "onednn":
+        y = onednn_linear(x2d.to(dtype), w)
+    else:
+        y = F.linear(x2d.to(dtype), w)
+    y = y if scales is None else y * scales.to(dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@torch.library.custom_op("gpt_fast::onednn_linear", mutates_args=())
+def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in float32, by oneDNN (MKL is what F.linear runs). An operator of our
+    own so that compiled steps can call it: inductor lowers oneDNN's linear for constant, prepacked weights only."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 class Linear(nn.Linear):
     kernels = Kernels()
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
         # fused_rows: what the step allows (model.Transformer.forward); this layer fuses only by its kernels' choice
-        return linear(x, self.weight, self.bias, fused_rows=fused_rows if self.kernels.float_matvec == "fused" else 0)
+        fused_rows = fused_rows if self.kernels.float_matvec == "fused" else 0
+        return linear(x, self.weight, self.bias, fused_rows=fused_rows, kernels=self.kernels)
 
 
 def unpack_int4(packed: Tensor) -> Tensor:
@@ -270,7 +324,7 @@ class Int8Linear(nn.Module):
         if x2d.shape[0] >= GEMM_ROWS:
             # The kernel's time grows with the rows (a matrix-vector product per row); a matrix product with
             # the weight widened for the call is faster from GEMM_ROWS rows: prefill and large batches.
-            y = linear(x2d.to(self.kernels.gemm_dtype), self.weight, None, self.scales)
+            y = cpu_product(x2d.to(self.kernels.gemm_dtype), self.weight, self.scales, self.kernels)
         else:
             y = torch.ops.aten._weight_int8pack_mm(
                 x2d.to(self.kernels.kernel_activations), self.weight, self.kernel_scales
@@ -345,8 +399,14 @@ class Int4Linear(nn.Module):
         return int4_native_layout(codes, per_block)
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
-        if self.native_packed is not None and x.numel() // self.in_features <= NATIVE_ROWS:
-            y = native_linear(self, x, self.native_packed)
+        rows = x.numel() // self.in_features
+        widen = rows >= GEMM_ROWS and self.kernels.gemm_dtype == torch.bfloat16  # a CPU with native bfloat16
+        if self.native_packed is not None and (rows <= NATIVE_ROWS or widen):
+            if rows <= NATIVE_ROWS:
+                y = native_linear(self, x, self.native_packed)
+            else:  # as Int8Linear's many rows: a matrix product with the weights widened (to bfloat16) for the call
+                w = torch.ops.gpt_fast.int4_weights(self.native_packed)
+                y = cpu_product(x.to(torch.bfloat16), w, None, self.kernels).to(x.dtype)
             return y if self.bias is None else y + self.bias
         # fused_rows: the halves layout fuses one row only, which every step allows
         if self.halves is not None and x.numel() == self.in_features:

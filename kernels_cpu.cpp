@@ -396,6 +396,53 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& 
   return y;
 }
 
+// int4 layout [N / 4, K / 64, INT4_STEP] -> the weights [N, K] (code * scale + offset) in bfloat16, for a matrix
+// product of many rows on the library's bfloat16 GEMM (CPUs with native bfloat16): the widening is paid once per
+// call instead of once per row. Rounded to nearest even, as c10::BFloat16 rounds.
+
+// One channel's 64 weights of a step: scalar.
+inline void widen64_scalar(const uint8_t* codes, const c10::Half* so, c10::BFloat16* w) {
+  for (int64_t j = 0; j < BLOCK; j++) w[j] = c10::BFloat16(float(codes[j] & 15) * float(so[0]) + float(so[1]));
+  for (int64_t j = 0; j < BLOCK; j++) w[BLOCK + j] = c10::BFloat16(float(codes[j] >> 4) * float(so[2]) + float(so[3]));
+}
+
+// The same with AVX-512 BF16: 16 weights a vector.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void widen64_avx512(
+    const uint8_t* codes, const c10::Half* so, c10::BFloat16* w) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)), low4 = _mm256_set1_epi8(15);
+  const __m256i nibbles[2] = {_mm256_and_si256(bytes, low4), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4)};
+  for (int h = 0; h < 2; h++) {  // low nibbles: inputs 0-31 (block 2s), high nibbles: 32-63 (block 2s + 1)
+    const __m512 scale = _mm512_set1_ps(float(so[2 * h])), offset = _mm512_set1_ps(float(so[2 * h + 1]));
+    for (int q = 0; q < 2; q++) {
+      const __m128i sixteen = q ? _mm256_extracti128_si256(nibbles[h], 1) : _mm256_castsi256_si128(nibbles[h]);
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sixteen)), scale, offset);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + h * BLOCK + q * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+at::Tensor int4_weights(const at::Tensor& packed) {
+  // packed [N / 4, K / 64, INT4_STEP] uint8 -> [N, K] bfloat16
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == INT4_STEP &&
+                  packed.is_contiguous(),
+              "int4_weights: packed must be contiguous [N / 4, K / 64, ", INT4_STEP, "] uint8 (kernels.py's layout)");
+  const int64_t N = packed.size(0) * GROUP, K = packed.size(1) * 64, steps = K / 64;
+  at::Tensor weights = at::empty({N, K}, packed.options().dtype(at::kBFloat16));
+  const uint8_t* bytes = packed.data_ptr<uint8_t>();
+  c10::BFloat16* out = weights.data_ptr<c10::BFloat16>();
+  const auto widen64 = __builtin_cpu_supports("avx512bf16") ? widen64_avx512 : widen64_scalar;
+  at::parallel_for(0, N / GROUP, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g++) {
+      for (int64_t s = 0; s < steps; s++) {
+        const uint8_t* step = bytes + (g * steps + s) * INT4_STEP;
+        const c10::Half* so = reinterpret_cast<const c10::Half*>(step + SCALES_AT);
+        for (int64_t c = 0; c < GROUP; c++) widen64(step + c * BLOCK, so + c * 4, out + (g * GROUP + c) * K + s * 64);
+      }
+    }
+  });
+  return weights;
+}
+
 // x [M, K] float32 with 1 <= M <= 8 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= MAX_ROWS &&
@@ -426,9 +473,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t is
 TORCH_LIBRARY(gpt_fast, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int isa) -> Tensor");
+  m.def("int4_weights(Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int4_weights", &int4_weights);
 }

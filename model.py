@@ -136,7 +136,7 @@ class Transformer(nn.Module):
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             rows = fused_rows if self.kernels.float_matvec == "fused" else 0
-            logits = linear(x, self.tok_embeddings.weight, fused_rows=rows)
+            logits = linear(x, self.tok_embeddings.weight, fused_rows=rows, kernels=self.kernels)
         else:
             logits = self.output(x, fused_rows)
         return softcap(logits.float(), self.config.final_logit_softcap)

@@ -19,7 +19,8 @@ exit after 2 greedy tokens (an upper bound of the time to the first token), with
 cache ("first start s") and then with the cache that run left ("start s").
 int8 / int4 models are quantized in memory (round to nearest; int4 groups of --groupsize), or a configuration names
 a checkpoint file (float, or quantized as the file says). --check fails a compiled configuration that decodes slower
-than the same one eager, and an int8/int4 one slower than float32 run the same way.
+than the same one eager or prefills more than 10% slower (the same eager prefill: only noise may part them), and
+an int8/int4 one that decodes slower than float32 run the same way.
 llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python): the GGUF as it is,
 and its F32 / F16 / Q8_0 / Q4_1 copies made by the package's own quantize function. Our rows compare with the copy of
 their precision, or with the GGUF as it is for a checkpoint converted from it (convert_gguf.py --int4). The table
@@ -63,6 +64,7 @@ from model import Transformer  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
 from results import model_size_bytes, synchronize  # noqa: E402
 
+PREFILL_NOISE = 0.9  # --check: how far below the eager prefill a compiled one's may measure (see slower_configurations)
 DEFAULT_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAPES = {  # random-weight models of well-known shapes: GPU runs need no download
     "smollm2-135m": dict(
@@ -558,8 +560,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check",
         action="store_true",
-        help="exit with status 1 if an int8 or int4 configuration decodes slower than float32 run the "
-        "same way (compiled or eager) in this run",
+        help="exit with status 1 if a compiled configuration decodes slower than the same one eager or prefills "
+        "more than 10%% slower, or an int8 or int4 one decodes slower than float32 run the same way (compiled or "
+        "eager) in this run",
     )
     return p
 
@@ -662,7 +665,9 @@ def benchmark(args):
         if slower:
             sys.exit(1)
         print(
-            "check passed: no compiled configuration slower than eager, no quantized one than float32", file=sys.stderr
+            "check passed: no compiled configuration slower than eager (decode, prefill), no quantized one than "
+            "float32 (decode)",
+            file=sys.stderr,
         )
 
 
@@ -737,8 +742,8 @@ def comparable_pairs(configs: list[Config]) -> list[tuple[Config, Config]]:
 
 
 def slower_configurations(entries: list[Entry]) -> list[str]:
-    """Our configurations that decode slower than one they are compared with (comparable_pairs): for int8/int4, the
-    fastest float32 one."""
+    """Our configurations that decode slower than one they are compared with (comparable_pairs; for int8/int4, the
+    fastest float32 one), and compiled ones that prefill below PREFILL_NOISE of the same one eager."""
     ours = {e.config: e for e in entries if e.config is not None and "draft" not in e.name}
     slowest_allowed = {}
     for config, other in comparable_pairs(list(ours)):
@@ -749,13 +754,18 @@ def slower_configurations(entries: list[Entry]) -> list[str]:
         else:
             slowest_allowed[(config, "eager")] = ours[other]
     problems = []
-    for (config, _), other in slowest_allowed.items():
+    for (config, against), other in slowest_allowed.items():
         e = ours[config]
         if e.median("decode_tokens_per_s") < other.median("decode_tokens_per_s"):
             problems.append(
                 f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
                 f"{other.name} {other.median('decode_tokens_per_s'):.1f}"
             )
+        # A compiled configuration runs the eager one's prefill: the same code, so only a fault (such as a product
+        # fused eagerly) and not the run's noise may take it below PREFILL_NOISE of the eager one's.
+        prefill, eager_prefill = e.median("prefill_tokens_per_s"), other.median("prefill_tokens_per_s")
+        if against == "eager" and prefill < PREFILL_NOISE * eager_prefill:
+            problems.append(f"{e.name} prefills {prefill:.0f} tok/s, {other.name} {eager_prefill:.0f}")
     return problems
 
 

@@ -86,22 +86,29 @@ def test_own_quantized_copy_as_draft_and_no_recompiles(tiny_checkpoint):
 
 
 def test_check_flags_compiled_slower_than_eager_and_quantized_slower_than_float32():
-    def entry(name, config, *speeds):
-        runs = [{"decode_tokens_per_s": s} for s in speeds]
+    def entry(name, config, *speeds, prefill=100):
+        runs = [{"decode_tokens_per_s": s, "prefill_tokens_per_s": prefill} for s in speeds]
         return Entry(name, None, config.precision, config, compiled=config.compiled, runs=runs)
 
     f32, int8, int4 = (Config(True, p, "auto") for p in ("float32", "int8", "int4"))
     float32 = entry("f32 compiled", f32, 30, 28, 29)  # median 29
-    fast, slow = entry("int8 compiled", int8, 40, 41, 20), entry("int4 compiled", int4, 28, 35, 27)
+    fast, slow = entry("int8 compiled", int8, 40, 41, 20), entry("int4 compiled", int4, 28, 35, 27, prefill=85)
     eager_int8 = entry("int8 eager", Config(False, "int8", "auto"), 45, 45, 45)  # no eager float32 to compare with
+    eager_int4 = entry("int4 eager", Config(False, "int4", "auto"), 20, 20, 20)  # prefills 100: int4's 85 is slower
     library = entry("int8 compiled library", Config(True, "int8", "library"), 50, 50, 50)  # no eager library
-    peer = Entry("llama.cpp Q8_0", None, runs=[{"decode_tokens_per_s": 1}] * 3)
-    problems = slower_configurations([float32, fast, slow, eager_int8, library, peer])
+    peer = Entry("llama.cpp Q8_0", None, runs=[{"decode_tokens_per_s": 1, "prefill_tokens_per_s": 1}] * 3)
+    problems = slower_configurations([float32, fast, slow, eager_int8, eager_int4, library, peer])
     assert sorted(problems) == [
         "int4 compiled decodes 28.0 tok/s, f32 compiled 29.0",
+        "int4 compiled prefills 85 tok/s, int4 eager 100",
         "int8 compiled decodes 40.0 tok/s, int8 eager 45.0",
     ]
     assert slower_configurations([float32, fast, library]) == []
+    # a prefill within 10% of the eager one's (the same code: the run's noise) passes
+    assert (
+        slower_configurations([entry("int8", int8, 50, prefill=91), entry("eager", Config(False, "int8", "auto"), 45)])
+        == []
+    )
 
 
 def test_check_needs_a_pair_to_compare():

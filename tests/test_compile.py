@@ -73,3 +73,16 @@ def test_compiled_decode_steps_never_wait_for_the_gpu(tiny_checkpoint, device):
                 next(produced)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_compiled_prefill_equals_eager_for_any_prompt_length(tiny_checkpoint):
+    """generate.py --compile_prefill: the prefill compiled, static at its first prompt length and then dynamic (one
+    more graph for every later length), gives eager's first tokens."""
+    model = load_model(tiny_checkpoint)
+    torch._dynamo.reset()
+    steps = compile_steps(torch.device("cpu"), decode=False, prefill=True)
+    for prompts in (PROMPTS, [[5, 6, 7]], [list(range(3, 20))]):
+        for prompt, got, expected in zip(
+            prompts, generate(model, prompts, 1, steps=steps).tokens, generate(model, prompts, 1).tokens
+        ):
+            assert_same_greedy(model, prompt, got, expected, MARGIN)

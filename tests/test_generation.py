@@ -5,10 +5,11 @@ import torch
 
 from chat import Chat
 from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
-from decode import Stream
+from decode import Stream, prefill
 from generate import generate, load_model
+from kernels import Kernels
 from results import TextPieces
-from sampling import SamplingParams
+from sampling import SamplingParams, sampler_state
 from tokenizer import IncrementalDecoder, load_tokenizer
 
 pytestmark = pytest.mark.numerics
@@ -241,3 +242,19 @@ def test_padded_row_computes_what_it_computes_alone(tiny):
     # token moves the logits by far more than the 1e-4 allowed (by 5 here), which the last line checks.
     assert (alone - padded).abs().max() < 1e-4
     assert (alone - leaky).abs().max() > 1e-2
+
+
+def test_prefill_never_fuses(tiny_checkpoint):
+    """A prefill's products, its last row's output projection included, take the library path whatever the kernels
+    chose for decode steps (fused eagerly, one row materialises a weight-sized temporary): its first token and
+    log-probs are bitwise those of library kernels."""
+    outputs = []
+    for matvec in ("library", "fused"):
+        model = load_model(tiny_checkpoint, kernels=Kernels(float_matvec=matvec, quant_matvec=matvec))
+        model.setup_caches(1, 16)
+        x = torch.tensor([random_prompts([9], model.config.vocab_size)[0]])
+        s = sampler_state(SamplingParams(temperature=0, logprobs=3), x.tolist(), model.config.vocab_size, x.device)
+        with torch.no_grad():
+            outputs.append(prefill(model, x, torch.arange(9), torch.zeros(1, dtype=torch.long), s, True, 3))
+    (token, logprobs), (fused_token, fused_logprobs) = outputs
+    assert torch.equal(token, fused_token) and all(map(torch.equal, logprobs, fused_logprobs))

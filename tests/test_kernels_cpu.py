@@ -1,5 +1,6 @@
 """kernels_cpu.cpp's int8 and int4 products against an integer reference, for every ISA path this CPU runs; rows
-bitwise the same alone and in batches; the layers' use of them; the PyTorch fallback when the file cannot be built."""
+bitwise the same alone and in batches; the layers' use of them; int4 weights widened for many rows; the PyTorch
+fallback when the file cannot be built; oneDNN's float32 product, eager and compiled."""
 
 import os
 import subprocess
@@ -218,6 +219,34 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     assert odd.native_packed is None and odd.packed is not None
 
 
+def test_int4_weights_widen_to_the_stored_weights_in_bfloat16(ops):
+    """int4_weights: every weight code * scale + offset (float16 scale and offset of its block: the products are exact
+    in float32, the sum rounds once), rounded to bfloat16 to nearest even; exactly, whatever path the CPU runs."""
+    g = torch.Generator().manual_seed(6)
+    codes, scales = int4_weights(40, 192, g)
+    w = ops.int4_weights(kernels.int4_native_layout(codes, scales))
+    blocks = codes.view(40, 6, 32).double() * scales[..., :1].double() + scales[..., 1:].double()
+    assert w.dtype == torch.bfloat16 and torch.equal(w, blocks.view(40, 192).float().bfloat16())
+
+
+def test_int4_layer_widens_its_weights_for_many_rows(ops):
+    """With bfloat16 matrix products (Kernels.gemm_dtype, chosen where the CPU has them), GEMM_ROWS rows or more run
+    one product with the widened weights: bfloat16 activations and weights, float32 sums, so within bfloat16
+    rounding of the float64 product of the stored weights; fewer rows keep the kernels' paths."""
+    layer = int4_layer(96, 256, 7)
+    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa(), gemm_dtype=torch.bfloat16)
+    x = torch.randn(kernels.GEMM_ROWS, 256)
+    codes, (scales, zeros) = kernels.unpack_int4(layer.weight), layer.scales_and_zeros.transpose(0, 1).unbind(-1)
+    stored = qz.dequantize_int4(codes, scales, zeros, 32).double()
+    widened = ops.int4_weights(layer.native_packed)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x.bfloat16(), widened).float())
+    reference_y = x.double() @ stored.T
+    assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
+    assert torch.equal(
+        layer(x[:8]), ops.int4_linear(x[:8], layer.native_packed, kernels.NATIVE_ISAS.index(kernels.native_isa()))
+    )
+
+
 @pytest.mark.parametrize("make", [int8_layer, int4_layer], ids=["int8", "int4"])
 def test_joined_pair_equals_each_layer(ops, make, monkeypatch):
     """join_native: a gate and up projection in one kernels_cpu.cpp call give each layer's own outputs bitwise (a
@@ -274,3 +303,28 @@ def test_without_a_compiler_the_pytorch_paths_run(tiny_checkpoint, tmp_path):
     assert refused.returncode == 1 and len(said) == 2, refused.stderr[-2000:]
     assert "did not build" in said[0] and said[1].startswith("error: --kernels native")
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 100])
+def test_onednn_float32_product_eager_and_compiled(rows):
+    """Kernels.float_gemm "onednn": float32 products by oneDNN, within float32 rounding of the float64 product (a
+    bound of K units in the last place of the magnitudes' sum), eager and inside a compiled step (its own operator:
+    inductor cannot lower oneDNN's linear of a weight that is an input)."""
+    torch.manual_seed(rows)
+    layer = kernels.Linear(320, 96, bias=True)
+    layer.kernels = kernels.Kernels(float_gemm="onednn")
+    x = torch.randn(rows, 320)
+    with torch.no_grad():
+        eager = layer(x, 0)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x, 0)
+        reference_y = x.double() @ layer.weight.double().T + layer.bias.double()
+        bound = 320 * 2.0**-24 * (x.double().abs() @ layer.weight.double().abs().T + layer.bias.double().abs())
+    assert (eager.double() - reference_y).abs().le(bound).all()
+    assert torch.equal(compiled, eager)
+
+
+def test_kernels_record_the_float32_product():
+    """The choice is recorded in the run's figures: oneDNN where the CPU is not Intel's (MKL is Intel's library)."""
+    chosen = kernels.Kernels.choose(torch.device("cpu"), False).describe()
+    intel = "GenuineIntel" in kernels.cpuinfo_words()
+    assert chosen["float_gemm"] == ("blas" if intel or not torch.backends.mkldnn.is_available() else "onednn")
