@@ -9,6 +9,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import kernels  # noqa: E402
+from decode import inductor_cache_dir  # noqa: E402
+
+# Every test that compiles does so in the CPU capability's own inductor cache, as decode.compile_steps does: a test
+# calling torch.compile itself would otherwise share the folder of test.sh's AVX-512 and AVX2 passes, and be served
+# the other ISA's code (docs/upstream-inductor-cache-isa.md).
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
 
 SMOLLM2_DIR = ROOT / "checkpoints" / "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = ROOT / "checkpoints" / ".downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
