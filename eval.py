@@ -2,6 +2,7 @@
 
     python eval.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int4.g32.pth
     python eval.py --checkpoint_path ... --text_file book.txt --max_tokens 8192 --json
+    python eval.py --dtype bfloat16                  # the float weights in bfloat16 (as generate.py --dtype)
 
 The default text is the documentation every Python installation carries (pydoc topics). The score
 covers the text's last --max_tokens tokens (GPTQ calibrates on its first ones). Each window of
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, device_flag, user_errors
+from checkpoint import DEFAULT_CHECKPOINT, DTYPES, HelpFormatter, device_flag, user_errors
 from generate import load_models
 from kernels import MATVECS
 from quantize import default_text
@@ -65,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window / 2)")
     parser.add_argument("--step_rows", type=int, default=None, help="tokens a forward pass (default: a window)")
     parser.add_argument("--device", type=device_flag, default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the weights' and activations' dtype")
     parser.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag (eager)")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
     args = parser.parse_args(argv)
@@ -81,7 +83,7 @@ def main(argv=None):
     args = parse_args(argv)
     with user_errors():
         text = read_text(args.text_file) if args.text_file else default_text()
-        model, tokenizer, _ = load_models(args.checkpoint_path, args.device, "float32", matvec=args.kernels)
+        model, tokenizer, _ = load_models(args.checkpoint_path, args.device, args.dtype, matvec=args.kernels)
         tokens = tokenizer.encode(text)[-args.max_tokens :]
         if len(tokens) < 2:
             raise ValueError(f"{args.text_file or 'the text'}: fewer than 2 tokens")

@@ -4,9 +4,9 @@ swaps in Int8Linear / Int4Linear and writes the formats they read.
 
 The int4 weight arrives in a device-neutral packing (two 4-bit codes a byte, see quantize.pack_int4); prepare()
 makes the layout of the device's int4 kernel (_weight_int4pack_mm on CUDA, _weight_int4pack_mm_for_cpu on CPU).
-With Kernels.int8_native / int4_native, int8 and int4 products of a few rows run kernels_cpu.cpp (integer dot
-products, built on first use by native_kernels; the operators gpt_fast::int8_linear and gpt_fast::int4_linear, which
-torch.compile traces through).
+With Kernels.int8_native / int4_native, int8 and int4 products run kernels_cpu.cpp (integer dot products, built on
+first use by native_kernels; the operators gpt_fast::int8_linear and gpt_fast::int4_linear, which torch.compile
+traces through), all but those of many rows where the CPU has bfloat16 matrix products (runs_native).
 """
 
 import functools
@@ -25,7 +25,6 @@ from torch import Tensor
 GEMM_ROWS = 16  # from this many rows, a CPU widens int8 (and half-precision) weights for a matrix product
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
-NATIVE_ROWS = 8  # the most rows kernels_cpu.cpp takes
 NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
 MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kernels.choose)
 # -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
@@ -146,7 +145,7 @@ class Kernels:
     # many-row products of int8 weights, and of half-precision ones in another dtype, compute in this dtype
     gemm_dtype: torch.dtype = torch.float32
     kernel_activations: torch.dtype = torch.bfloat16  # what ATen's int8/int4 kernels are fed
-    # NATIVE_ISAS paths: int8 / int4 products of up to NATIVE_ROWS rows by kernels_cpu.cpp (None: not)
+    # NATIVE_ISAS paths: int8 / int4 products by kernels_cpu.cpp (None: not; see runs_native)
     int8_native: str | None = None
     int4_native: str | None = None
 
@@ -157,9 +156,9 @@ class Kernels:
 
         "fused" is a multiply-and-sum that torch.compile turns into one pass over the weights in their own
         dtype; run eagerly it would materialise the product, so it is for compiled steps. It wins for float
-        weights on every CPU measured. Products of few rows with int8/int4 weights (quantized: the model has
-        some) run kernels_cpu.cpp's integer dot products ("native", built on first use), eager and compiled: on AVX2
-        far faster than the other paths, on AVX-512 level with or faster than the fused one. Where the file
+        weights on every CPU measured. Products with int8/int4 weights (quantized: the model has some) run
+        kernels_cpu.cpp's integer dot products ("native", built on first use; see runs_native), eager and compiled:
+        on AVX2 far faster than the other paths, on AVX-512 level with or faster than the fused one. Where the file
         cannot be built: "fused" where AVX-512 converts bytes to floats fast enough, ATen's int8/int4 kernels on
         AVX2. Widening int8 weights to bfloat16 for a matrix product pays off only with native bfloat16
         (AVX512-BF16, AMX): without it, matrix products emulate bfloat16 and lose to float32, so bfloat16 and
@@ -314,7 +313,7 @@ class Int8Linear(nn.Module):
         self.native_scales = self.scales.float() if native else None
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
-        if self.native_packed is not None and x.numel() // self.in_features <= NATIVE_ROWS:
+        if runs_native(self, x):
             y = native_linear(self, x, self.native_packed, self.native_scales)
             return y if self.bias is None else y + self.bias
         fused_rows = fused_rows if self.kernels.quant_matvec == "fused" else 0
@@ -351,7 +350,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("halves", None, persistent=False)
         self.register_buffer("group_scales", None, persistent=False)
         self.register_buffer("group_offsets", None, persistent=False)
-        # kernels_cpu.cpp's layout (products of up to NATIVE_ROWS rows; int4_native_layout)
+        # kernels_cpu.cpp's layout (int4_native_layout; see runs_native)
         self.register_buffer("native_packed", None, persistent=False)
         self.register_buffer("joined_packed", None, persistent=False)  # as Int8Linear's (int4 scales are inline)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -399,14 +398,14 @@ class Int4Linear(nn.Module):
         return int4_native_layout(codes, per_block)
 
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
-        rows = x.numel() // self.in_features
-        widen = rows >= GEMM_ROWS and self.kernels.gemm_dtype == torch.bfloat16  # a CPU with native bfloat16
-        if self.native_packed is not None and (rows <= NATIVE_ROWS or widen):
-            if rows <= NATIVE_ROWS:
-                y = native_linear(self, x, self.native_packed)
-            else:  # as Int8Linear's many rows: a matrix product with the weights widened (to bfloat16) for the call
-                w = torch.ops.gpt_fast.int4_weights(self.native_packed)
-                y = cpu_product(x.to(torch.bfloat16), w, None, self.kernels).to(x.dtype)
+        if runs_native(self, x):
+            y = native_linear(self, x, self.native_packed)
+            return y if self.bias is None else y + self.bias
+        if self.native_packed is not None:
+            # many rows on a CPU with bfloat16 products (runs_native): as Int8Linear's, one product with the weights
+            # widened for it
+            w = torch.ops.gpt_fast.int4_weights(self.native_packed)
+            y = cpu_product(x.to(torch.bfloat16), w, None, self.kernels).to(x.dtype)
             return y if self.bias is None else y + self.bias
         # fused_rows: the halves layout fuses one row only, which every step allows
         if self.halves is not None and x.numel() == self.in_features:
@@ -435,6 +434,14 @@ class Int4Linear(nn.Module):
             y = y.to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def runs_native(layer: nn.Module, x: Tensor) -> bool:
+    """Whether layer's product with x runs kernels_cpu.cpp: wherever the layer has its layout, at any number of rows,
+    except GEMM_ROWS rows or more on a CPU with bfloat16 matrix products (Kernels.gemm_dtype), where one product with
+    the weights widened to bfloat16 is faster (without them, widening to float32 is slower than the kernel)."""
+    many = x.numel() // x.shape[-1] >= GEMM_ROWS and layer.kernels.gemm_dtype == torch.bfloat16
+    return layer.native_packed is not None and not many
 
 
 def native_linear(layer: nn.Module, x: Tensor, packed: Tensor, scales: Tensor | None = None) -> Tensor:
@@ -468,9 +475,9 @@ def join_native(first: nn.Module, second: nn.Module):
 
 
 def pair_linear(first: nn.Module, second: nn.Module, x: Tensor, fused_rows: int = 1) -> tuple[Tensor, Tensor]:
-    """first(x), second(x): in one kernels_cpu.cpp call where join_native joined them and x has few rows."""
+    """first(x), second(x): in one kernels_cpu.cpp call where join_native joined them and they run it (runs_native)."""
     joined = getattr(first, "joined_packed", None)
-    if joined is not None and x.numel() // x.shape[-1] <= NATIVE_ROWS:
+    if joined is not None and runs_native(first, x):
         y = native_linear(first, x, joined, getattr(first, "joined_scales", None))
         return y.split([first.out_features, second.out_features], dim=-1)
     return first(x, fused_rows), second(x, fused_rows)

@@ -1,10 +1,10 @@
 // int8 and int4 linear layers on x86 CPUs by integer dot products, registered as the PyTorch operators
-// gpt_fast::int8_linear and gpt_fast::int4_linear.
+// gpt_fast::int8_linear and gpt_fast::int4_linear; and gpt_fast::int4_weights, which widens int4 weights to bfloat16.
 //
-// y[m, n] = sum_k x[m, k] * w[n, k] for 1 to 8 rows of activations x (decode steps, small batches, speculative
-// verification). As llama.cpp does for Q8_0 and Q4_1, the activations are quantized to int8 per block of 32 values
-// (code * block scale), each block's dot product with the weight codes is an exact int32, and only the sum over
-// blocks is float.
+// y[m, n] = sum_k x[m, k] * w[n, k] for M rows of activations x (decode steps, batches, speculative verification;
+// prompts where the CPU lacks bfloat16 matrix products). As llama.cpp does for Q8_0 and Q4_1, the activations are
+// quantized to int8 per block of 32 values (code * block scale), each block's dot product with the weight codes is an
+// exact int32, and only the sum over blocks is float.
 // - int8 weights: w = code * scale[n], codes in [-127, 127]. The unsigned-by-signed byte products of x86
 //   (vpmaddubsw, vpdpbusd) take |w| and the activation carrying w's sign (vpsignb): exact, because activation codes
 //   stay within [-127, 127] and the weights must too (kernels.Int8Linear checks that once). Layout
@@ -39,7 +39,8 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;
-constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t MAX_ROWS = 8;  // rows a group's kernel calls cover before its outputs are written
+constexpr int64_t ROW_BLOCK = 64;  // rows whose activations every group reads in turn (see run)
 constexpr int64_t GROUP = 4;         // channels interleaved (see the layouts above)
 constexpr int64_t INT8_STEP = 256;   // a group's bytes per 64 inputs: int8, 4 x 64 codes
 constexpr int64_t INT4_STEP = 160;   // int4: 4 x 32 bytes of codes, then 4 x 4 float16 from byte SCALES_AT
@@ -381,18 +382,27 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& 
   float* out = y.data_ptr<float>();
   const uint8_t* weights = static_cast<const uint8_t*>(packed.data_ptr());
   const int64_t group_bytes = K / 64 * kernel.step_bytes;
-  at::parallel_for(0, N / GROUP, 16, [&](int64_t begin, int64_t end) {
-    float column[GROUP * MAX_ROWS];  // column[c * MAX_ROWS + m]: the group's channel c, row m
-    for (int64_t g = begin; g < end; g++) {
-      for (int64_t m = 0; m < M; m += ROWS)
-        (M - m >= ROWS ? kernel.rows : kernel.last)(weights + g * group_bytes, a.from_row(m), column + m);
-      for (int64_t c = 0; c < GROUP; c++) {
-        const int64_t n = g * GROUP + c;
-        for (int64_t m = 0; m < M; m++)
-          out[m * N + n] = channel_scales ? column[c * MAX_ROWS + m] * channel_scales[n] : column[c * MAX_ROWS + m];
+  // Rows by blocks of ROW_BLOCK, whose quantized activations stay in the cache while every group of channels
+  // reads them; within a group, MAX_ROWS at a time while its bytes stay in L1.
+  for (int64_t first = 0; first < M; first += ROW_BLOCK) {
+    const int64_t last = std::min(M, first + ROW_BLOCK);
+    at::parallel_for(0, N / GROUP, 16, [&](int64_t begin, int64_t end) {
+      float column[GROUP * MAX_ROWS];  // column[c * MAX_ROWS + m]: the group's channel c, row m0 + m
+      for (int64_t g = begin; g < end; g++) {
+        for (int64_t m0 = first; m0 < last; m0 += MAX_ROWS) {
+          const int64_t rows = std::min(MAX_ROWS, last - m0);
+          for (int64_t m = 0; m < rows; m += ROWS)
+            (rows - m >= ROWS ? kernel.rows : kernel.last)(weights + g * group_bytes, a.from_row(m0 + m), column + m);
+          for (int64_t c = 0; c < GROUP; c++) {
+            const int64_t n = g * GROUP + c;
+            for (int64_t m = 0; m < rows; m++)
+              out[(m0 + m) * N + n] =
+                  channel_scales ? column[c * MAX_ROWS + m] * channel_scales[n] : column[c * MAX_ROWS + m];
+          }
+        }
       }
-    }
-  });
+    });
+  }
   return y;
 }
 
@@ -443,11 +453,11 @@ at::Tensor int4_weights(const at::Tensor& packed) {
   return weights;
 }
 
-// x [M, K] float32 with 1 <= M <= 8 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
+// x [M, K] float32 with M >= 1 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(0) <= MAX_ROWS &&
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 &&
                   x.size(1) % 64 == 0,
-              "x must be float32 [M, K] with 1 <= M <= 8 and K a multiple of 64");
+              "x must be float32 [M, K] with M >= 1 and K a multiple of 64");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == type && packed.size(1) == x.size(1) / 64 &&
                   packed.size(2) == step && packed.is_contiguous(),
               "the weights must be contiguous [N / 4, K / 64, ", step, "] of ", type, " (kernels.py's layout)");

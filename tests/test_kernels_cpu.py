@@ -2,6 +2,7 @@
 bitwise the same alone and in batches; the layers' use of them; int4 weights widened for many rows; the PyTorch
 fallback when the file cannot be built; oneDNN's float32 product, eager and compiled."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -138,8 +139,9 @@ def test_int4_float_outputs_within_rounding_of_the_reference(ops, k):
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
+    """Batches of 2 to 8 rows, and of 70 (past the kernel's blocks of 8 and of 64 rows)."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(8, 576, generator=g)
+    x = torch.randn(70, 576, generator=g)
     if kind == "int8":
         w = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g)
         weights = kernels.int8_native_layout(w), torch.rand(64, generator=g)
@@ -149,10 +151,10 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
     compiled = torch.compile(lambda x, isa: op(x, *weights, isa), fullgraph=True, dynamic=False)
     for isa in runnable_isas():
         torch._dynamo.reset()  # a graph per isa and shape: within Dynamo's recompile limit for each isa
-        alone = torch.cat([op(x[i : i + 1], *weights, isa) for i in range(8)])
-        for m in range(2, 9):
+        alone = torch.cat([op(x[i : i + 1], *weights, isa) for i in range(70)])
+        for m in [*range(2, 9), 70]:
             assert torch.equal(op(x[:m], *weights, isa), alone[:m]), (kernels.NATIVE_ISAS[isa], m)
-        assert torch.equal(compiled(x, isa), alone) and torch.equal(compiled(x[:1], isa), alone[:1])
+        assert torch.equal(compiled(x[:8], isa), alone[:8]) and torch.equal(compiled(x[:1], isa), alone[:1])
 
 
 def int8_layer(n: int, k: int, seed: int, native: bool = True) -> kernels.Int8Linear:
@@ -177,10 +179,11 @@ def int4_layer(n: int, k: int, seed: int, groupsize: int = 32) -> kernels.Int4Li
     return layer
 
 
-def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
-    """Int8Linear with Kernels.int8_native: rows up to NATIVE_ROWS by the kernel (int8 activations: ~4e-3 from
-    float64 here), more by ATen's paths; a weight of -128, which the byte products cannot take, and shapes that do not
-    make whole groups of 4 channels and 64 inputs keep the layer off the kernel."""
+def test_int8_layer_takes_the_kernel(ops):
+    """Int8Linear with Kernels.int8_native: any number of rows by the kernel (int8 activations: ~4e-3 from float64
+    here), except GEMM_ROWS or more where the CPU has bfloat16 matrix products (gemm_dtype): a widened bfloat16
+    product; a weight of -128, which the byte products cannot take, and shapes that do not make whole groups of 4
+    channels and 64 inputs keep the layer off the kernel."""
     layer = int8_layer(96, 192, 4)
     x = torch.randn(5, 192)
     packed = kernels.int8_native_layout(layer.weight)
@@ -188,7 +191,10 @@ def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
     assert torch.equal(layer(x), expected)
     reference_y = x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
-    assert not torch.equal(layer(torch.cat([x] * 2))[:5], expected)  # 10 rows: ATen's bfloat16 kernel
+    assert torch.equal(layer(torch.cat([x] * 4))[:5], expected)  # 20 rows: the kernel too
+    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa(), gemm_dtype=torch.bfloat16)
+    widened = layer(torch.cat([x] * 4))[:5]  # the bfloat16 product
+    assert not torch.equal(widened, expected) and ((widened - reference_y).norm() / reference_y.norm()).item() < 1e-2
     for n, k in [(94, 192), (96, 160)]:
         odd = kernels.Int8Linear(k, n)
         odd.weight, odd.scales, odd.kernels = layer.weight[:n, :k].contiguous(), layer.scales[:n], layer.kernels
@@ -200,10 +206,11 @@ def test_int8_layer_takes_the_kernel_for_up_to_8_rows(ops):
 
 
 @pytest.mark.parametrize("groupsize", [32, 128])
-def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
+def test_int4_layer_takes_the_kernel(ops, groupsize):
     """Int4Linear with Kernels.int4_native: its stored groups become kernels_cpu.cpp's per-block float16 scales and
-    offsets; rows up to NATIVE_ROWS run the kernel, within int8 activations' error of the float64 product of the
-    stored weights; more rows run ATen's kernel. A K that is not a multiple of 64 keeps the layer off the kernel."""
+    offsets; any number of rows runs the kernel (where the CPU has no bfloat16 matrix products: see
+    test_int4_layer_widens_its_weights_for_many_rows), within int8 activations' error of the float64 product of the
+    stored weights. A K that is not a multiple of 64 keeps the layer off the kernel (ATen's kernel then)."""
     layer = int4_layer(96, 256, 5, groupsize)
     codes, (scales, zeros) = kernels.unpack_int4(layer.weight), layer.scales_and_zeros.transpose(0, 1).unbind(-1)
     x = torch.randn(8, 256)
@@ -211,7 +218,7 @@ def test_int4_layer_takes_the_kernel_for_up_to_8_rows(ops, groupsize):
     assert torch.equal(layer(x), ops.int4_linear(x, layer.native_packed, isa))
     reference_y = x.double() @ qz.dequantize_int4(codes, scales, zeros, groupsize).double().T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
-    assert ((layer(torch.cat([x] * 2))[:8] - reference_y).norm() / reference_y.norm()).item() < 1e-2  # ATen's
+    assert torch.equal(layer(torch.cat([x] * 3))[:8], layer(x))  # 24 rows: the kernel too, each row as alone
     odd = kernels.Int4Linear(96, 16, 32)
     odd.weight, odd.scales_and_zeros = layer.weight[:16, :48], layer.scales_and_zeros[:3, :16]
     odd.kernels = layer.kernels
@@ -232,7 +239,7 @@ def test_int4_weights_widen_to_the_stored_weights_in_bfloat16(ops):
 def test_int4_layer_widens_its_weights_for_many_rows(ops):
     """With bfloat16 matrix products (Kernels.gemm_dtype, chosen where the CPU has them), GEMM_ROWS rows or more run
     one product with the widened weights: bfloat16 activations and weights, float32 sums, so within bfloat16
-    rounding of the float64 product of the stored weights; fewer rows keep the kernels' paths."""
+    rounding of the float64 product of the stored weights; fewer rows run the kernel."""
     layer = int4_layer(96, 256, 7)
     layer.kernels = kernels.Kernels(int4_native=kernels.native_isa(), gemm_dtype=torch.bfloat16)
     x = torch.randn(kernels.GEMM_ROWS, 256)
@@ -242,16 +249,17 @@ def test_int4_layer_widens_its_weights_for_many_rows(ops):
     assert torch.equal(layer(x), torch.nn.functional.linear(x.bfloat16(), widened).float())
     reference_y = x.double() @ stored.T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
-    assert torch.equal(
-        layer(x[:8]), ops.int4_linear(x[:8], layer.native_packed, kernels.NATIVE_ISAS.index(kernels.native_isa()))
-    )
+    fewer = x[: kernels.GEMM_ROWS - 1]
+    isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
+    assert torch.equal(layer(fewer), ops.int4_linear(fewer, layer.native_packed, isa))
 
 
 @pytest.mark.parametrize("make", [int8_layer, int4_layer], ids=["int8", "int4"])
 def test_joined_pair_equals_each_layer(ops, make, monkeypatch):
     """join_native: a gate and up projection in one kernels_cpu.cpp call give each layer's own outputs bitwise (a
-    channel's sum never sees the others), for 1 to 8 rows; the layers' layouts become views of the joined one (no
-    second copy); more rows, or a layer prepared again, go back to one call per layer."""
+    channel's sum never sees the others), for any number of rows; the layers' layouts become views of the joined one
+    (no second copy); many rows where the CPU widens to bfloat16 instead go to each layer's widened product, and a
+    layer prepared again goes back to one call per layer."""
     gate, up = make(96, 192, 6), make(64, 192, 7)
     alone = [layer.native_packed.clone() for layer in (gate, up)]
     kernels.join_native(gate, up)
@@ -260,12 +268,16 @@ def test_joined_pair_equals_each_layer(ops, make, monkeypatch):
     calls = []
     native_linear = kernels.native_linear
     monkeypatch.setattr(kernels, "native_linear", lambda *a: calls.append(a[2].shape[0]) or native_linear(*a))
-    x = torch.randn(9, 192)
-    for rows in (1, 3, 8, 9):
+    x = torch.randn(20, 192)
+    for rows in (1, 3, 8, 20):
         g, u = kernels.pair_linear(gate, up, x[:rows])
         assert torch.equal(g, gate(x[:rows])) and torch.equal(u, up(x[:rows]))
-    # per row count: the pair's one call of 40 groups of channels, then each layer's own (24, 16); 9 rows: none
-    assert calls == [40, 24, 16] * 3
+    # per row count: the pair's one call of 40 groups of channels, then each layer's own (24, 16)
+    assert calls == [40, 24, 16] * 4
+    widening = dataclasses.replace(gate.kernels, gemm_dtype=torch.bfloat16)
+    gate.kernels = up.kernels = widening
+    g, u = kernels.pair_linear(gate, up, x)
+    assert torch.equal(g, gate(x)) and torch.equal(u, up(x)) and len(calls) == 12
     gate.prepare()
     assert gate.joined_packed is None
 

@@ -26,7 +26,8 @@ EXACT = Kernels(gemm_dtype=torch.float32, kernel_activations=torch.float32)
 
 def native() -> Kernels:
     """EXACT with kernels_cpu.cpp's int8/int4 products (built on first use): a rank's share of a row-parallel
-    layer's inputs is whole blocks of 32, so only the order of the float sums over blocks differs."""
+    layer's inputs is whole blocks of 32, so only the order of the float sums over blocks differs (and, through it,
+    now and then an activation's int8 code: see test_tp)."""
     return Kernels(gemm_dtype=torch.float32, kernel_activations=torch.float32, int8_native=native_isa(),
                    int4_native=native_isa())  # fmt: skip
 
