@@ -180,7 +180,10 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Step
     s, generator = sampler_state(params, rows, model.config.vocab_size, device), params.generator(device)
     refill_noise(s, params, generator)
     input_pos = torch.arange(start_pos, start_pos + width, device=device)
-    token, logprobs = steps.prefill(model, x, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs)
+    # kv_length: the prompt attends to the positions filled so far, not to the whole cache
+    token, logprobs = steps.prefill(
+        model, x, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs, kv_length=start_pos + width
+    )
     yield token, logprobs
     input_pos = torch.tensor([start_pos + width], device=device)
     for _ in range(max_new_tokens - 1):

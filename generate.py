@@ -150,8 +150,9 @@ def speculative_generate(
     synchronize(device)
     start = time.perf_counter()
     refill_noise(s_target, params, generator)
-    first, _ = steps.prefill(model, x, input_pos, torch.zeros_like(x[:, 0]), s_target, greedy, n_logprobs=None)
-    draft(x, input_pos, last_only=True)  # the draft's cache holds the prompt too
+    no_pad = torch.zeros_like(x[:, 0])
+    first, _ = steps.prefill(model, x, input_pos, no_pad, s_target, greedy, n_logprobs=None, kv_length=len(prompt))
+    draft(x, input_pos, last_only=True, kv_length=len(prompt))  # the draft's cache holds the prompt too
     out = [int(first)]
     ttft = time.perf_counter() - start
     pos, cur = len(prompt), first.view(1, 1)

@@ -9,6 +9,7 @@ first use by native_kernels; the operators gpt_fast::int8_linear and gpt_fast::i
 traces through), all but those of many rows where the CPU has bfloat16 matrix products (runs_native).
 """
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -105,6 +106,25 @@ def native_kernels() -> bool:
     return True
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT_BLOCK_BYTES = 32 << 20  # the largest mmap threshold glibc takes on 64-bit systems
+
+
+@functools.cache
+def keep_freed_memory():
+    """Lets glibc's malloc serve blocks of up to KEPT_BLOCK_BYTES from memory the process freed, rather than map
+    fresh pages for each and unmap them when freed. Its default threshold adapts to the largest block freed, yet a
+    block of exactly that size is still mapped afresh: the weights a prefill widens to float32 (cpu_product), the
+    same few sizes layer after layer, then pay a page fault per 4 KiB at every call, which costs more than the
+    widening itself. Up to 2 * KEPT_BLOCK_BYTES of freed memory at the heap's top stays with the process. A setting
+    of the process, made once (set_kernels), that changes no result; nothing where the C library has no mallopt."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES)
+        mallopt(M_TRIM_THRESHOLD, 2 * KEPT_BLOCK_BYTES)
+
+
 def interleaved(t: Tensor) -> Tensor:
     """[N, K / 64, B] -> [N / NATIVE_GROUP, K / 64, NATIVE_GROUP * B]: a group's channels side by side per 64 inputs."""
     n, steps = t.shape[:2]
@@ -199,6 +219,7 @@ class Kernels:
 
 def set_kernels(model: nn.Module, kernels: Kernels):
     """Gives every module that computes a linear layer (and the model, for a tied output) this choice."""
+    keep_freed_memory()
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels

@@ -68,21 +68,19 @@ struct Activations {
   }
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scales, float* sums) {
-  for (int64_t b = 0; b < M * (K / BLOCK); b++) {
-    const float* v = x + b * BLOCK;
-    float amax = 0.f;
-    for (int64_t j = 0; j < BLOCK; j++) amax = std::fmax(amax, std::fabs(v[j]));
-    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t j = 0; j < BLOCK; j++) {
-      codes[b * BLOCK + j] = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
-      sum += codes[b * BLOCK + j];
-    }
-    scales[b] = amax / 127.f;
-    sums[2 * b] = 0.f;
-    sums[2 * b + 1] = amax / 127.f * float(sum);
+// One block of 32 values: codes = round(v * 127 / max |v|), its scale max |v| / 127, and (0, scale * sum of codes).
+void quantize_block(const float* v, int8_t* codes, float* scale, float* sums) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < BLOCK; j++) amax = std::fmax(amax, std::fabs(v[j]));
+  const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < BLOCK; j++) {
+    codes[j] = static_cast<int8_t>(std::nearbyint(v[j] * inverse));
+    sum += codes[j];
   }
+  *scale = amax / 127.f;
+  sums[0] = 0.f;
+  sums[1] = amax / 127.f * float(sum);
 }
 
 // Each function computes a group of 4 channels (its interleaved bytes) for R activation rows, into
@@ -175,6 +173,38 @@ AVX2 void int8_avx2(const int8_t* group, const Activations& x, float* out) {
   }
   for (int c = 0; c < GROUP; c++)
     for (int r = 0; r < R; r++) out[c * MAX_ROWS + r] = sum8(acc[c][r]);
+}
+
+// quantize_block with AVX2: the same operations on 8 values a vector (rounding to nearest even, as nearbyint does
+// in the default rounding mode), so the same codes, scale and sum.
+AVX2 void quantize_block_avx2(const float* v, int8_t* codes, float* scale, float* sums) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 x[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(x[i], magnitude));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  const __m256 inverse = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  __m256i q[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; i++) {
+    const __m256 r = _mm256_round_ps(_mm256_mul_ps(x[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q[i] = _mm256_cvtps_epi32(r);
+    sum = _mm256_add_epi32(sum, q[i]);
+  }
+  // int32 -> int8 with packs, which interleave the 128-bit lanes: the permutation puts the 32 codes back in order
+  const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  *scale = top / 127.f;
+  sums[0] = 0.f;
+  sums[1] = top / 127.f * float(_mm_cvtsi128_si32(s));
 }
 
 // The int4 codes of 64 inputs: lo holds inputs 0-31, hi inputs 32-63.
@@ -345,15 +375,18 @@ void int4_group(const uint8_t* group, const Activations& x, float* out) {
 // Rows two at a time (more sums would not fit the registers), then the one left over; a group's bytes read again for
 // the next rows come from the cache.
 constexpr int64_t ROWS = 2;
+using QuantizeFn = void (*)(const float* v, int8_t* codes, float* scale, float* sums);
 struct Kernel {
   GroupFn rows, last;
   int64_t step_bytes;
+  QuantizeFn quantize;  // of a block of activations
 };
 
 template <int ISA>
 Kernel kernel_for(bool int4) {
-  return int4 ? Kernel{int4_group<ROWS, ISA>, int4_group<1, ISA>, INT4_STEP}
-              : Kernel{int8_group<ROWS, ISA>, int8_group<1, ISA>, INT8_STEP};
+  const QuantizeFn quantize = ISA == 0 ? quantize_block : quantize_block_avx2;
+  return int4 ? Kernel{int4_group<ROWS, ISA>, int4_group<1, ISA>, INT4_STEP, quantize}
+              : Kernel{int8_group<ROWS, ISA>, int8_group<1, ISA>, INT8_STEP, quantize};
 }
 
 Kernel pick(bool int4, int64_t isa) {
@@ -366,7 +399,8 @@ Kernel pick(bool int4, int64_t isa) {
   }
 }
 
-// x [M, K] float32 -> [M, N] float32: quantizes x once, then splits the groups of channels among torch's threads.
+// x [M, K] float32 -> [M, N] float32: quantizes x once (its blocks split among torch's threads), then splits the groups
+// of channels among them.
 // channel_scales: int8's per-channel scales, or nullptr (int4 scales each block inside the kernel).
 at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& kernel, const float* channel_scales) {
   const at::Tensor x = input.contiguous();
@@ -376,7 +410,11 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& 
   int8_t* codes = buffer.data_ptr<int8_t>();
   float* scales = reinterpret_cast<float*>(codes + M * K);  // M * K is a multiple of 32: aligned for floats
   float* sums = scales + M * blocks;
-  quantize_rows(x.data_ptr<float>(), M, K, codes, scales, sums);
+  const float* values = x.data_ptr<float>();
+  at::parallel_for(0, M * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b++)
+      kernel.quantize(values + b * BLOCK, codes + b * BLOCK, scales + b, sums + 2 * b);
+  });
   const Activations a{codes, scales, sums, K, blocks};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();

@@ -14,7 +14,7 @@ import torch
 
 import kernels
 import quantize as qz
-from conftest import ROOT
+from conftest import ROOT, SMOLLM2_DIR
 
 pytestmark = pytest.mark.numerics
 
@@ -83,6 +83,19 @@ def test_float_outputs_within_rounding_of_the_reference(ops, k):
     for isa in runnable_isas():
         y = ops.int8_linear(x, kernels.int8_native_layout(w), scales, isa).double().numpy()
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
+
+
+def test_activation_codes_round_half_to_even_like_the_reference(ops):
+    """The activations' quantization, read back through unit weights: in a block whose largest magnitude is 127 the
+    codes are the values rounded, halves to even as NumPy's rint (and nearbyint) round them, in every row and block
+    of a batch large enough to be quantized by both threads."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randint(-252, 253, (40, 128), generator=g) / 2).float()  # multiples of 0.5: many exact halves
+    x[:, ::32] = 127.0
+    codes = torch.from_numpy(np.rint(x.numpy()))
+    unit = kernels.int8_native_layout(torch.eye(128, dtype=torch.int8))
+    for isa in runnable_isas():
+        assert torch.equal(ops.int8_linear(x, unit, torch.ones(128), isa), codes), kernels.NATIVE_ISAS[isa]
 
 
 def int4_weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,3 +353,34 @@ def test_kernels_record_the_float32_product():
     chosen = kernels.Kernels.choose(torch.device("cpu"), False).describe()
     intel = "GenuineIntel" in kernels.cpuinfo_words()
     assert chosen["float_gemm"] == ("blas" if intel or not torch.backends.mkldnn.is_available() else "onednn")
+
+
+PREFILL_FAULTS = """
+import resource, sys, torch
+from generate import load_model
+torch.set_num_threads(2)
+model = load_model(sys.argv[1], "cpu", torch.bfloat16)
+model.setup_caches(1, 256)
+x, faults = torch.randint(100, 1000, (1, 128)), []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    with torch.no_grad():
+        model(x, torch.arange(128), last_only=True, fused_rows=0, kv_length=128)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallopt"), reason="the C library has no mallopt")
+def test_a_prefill_reuses_the_memory_its_widened_weights_freed():
+    """The default model in bfloat16, prefilled again and again in a fresh process: its products widen each weight to
+    float32 (cpu_product, on CPUs without bfloat16 matrix products). With keep_freed_memory (load_model's set_kernels
+    calls it), the copies reuse the memory the previous ones freed: after the first prefills, next to no page faults.
+    glibc's default behaviour depends on the order of earlier allocations; in some runs it maps every copy afresh,
+    some 17,000 page faults each prefill."""
+    assert (SMOLLM2_DIR / "model.pth").is_file(), "run: bash scripts/prepare.sh"
+    command = [sys.executable, "-c", PREFILL_FAULTS, str(SMOLLM2_DIR / "model.pth")]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr[-2000:]
+    faults = [int(n) for n in run.stdout.split()]
+    assert max(faults[2:]) < 1000, faults
