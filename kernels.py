@@ -24,6 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 GEMM_ROWS = 16  # from this many rows, a CPU widens int8 (and half-precision) weights for a matrix product
+# From this many rows, a CPU with bfloat16 matrix products (AVX512-BF16 without AMX) widens int8/int4 weights to
+# bfloat16 for one product instead of running kernels_cpu.cpp (Kernels.widen_rows; docs/performance.md)
+WIDEN_ROWS = 80
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
@@ -168,6 +171,9 @@ class Kernels:
     # NATIVE_ISAS paths: int8 / int4 products by kernels_cpu.cpp (None: not; see runs_native)
     int8_native: str | None = None
     int4_native: str | None = None
+    # int8/int4 products of this many rows or more widen the weights to gemm_dtype for one matrix product rather than
+    # run kernels_cpu.cpp (None: never; see runs_native)
+    widen_rows: int | None = None
 
     @classmethod
     def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto", quantized: bool = False) -> "Kernels":
@@ -180,10 +186,11 @@ class Kernels:
         kernels_cpu.cpp's integer dot products ("native", built on first use; see runs_native), eager and compiled:
         on AVX2 far faster than the other paths, on AVX-512 level with or faster than the fused one. Where the file
         cannot be built: "fused" where AVX-512 converts bytes to floats fast enough, ATen's int8/int4 kernels on
-        AVX2. Widening int8 weights to bfloat16 for a matrix product pays off only with native bfloat16
-        (AVX512-BF16, AMX): without it, matrix products emulate bfloat16 and lose to float32, so bfloat16 and
-        float16 weights too are widened to float32 there for products of many rows. float32 products that do
-        not fuse run oneDNN on CPUs other than Intel's (docs/performance.md has the figures behind each choice)."""
+        AVX2. Widening int8/int4 weights to bfloat16 for a matrix product pays off only with native bfloat16
+        (AVX512-BF16, AMX), and there from WIDEN_ROWS rows (AMX: GEMM_ROWS, not measured): without it, matrix
+        products emulate bfloat16 and lose to float32, so bfloat16 and float16 weights too are widened to float32
+        there for products of many rows. float32 products that do not fuse run oneDNN on CPUs other than Intel's
+        (docs/performance.md has the figures behind each choice)."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -191,7 +198,8 @@ class Kernels:
         # MKL, which F.linear runs for float32, is Intel's: on the AMD CPUs measured oneDNN's product is faster.
         onednn = "GenuineIntel" not in cpuinfo_words() and torch.backends.mkldnn.is_available()
         gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
-        common = dict(float_gemm="onednn" if onednn else "blas", gemm_dtype=gemm_dtype)
+        widen_rows = (GEMM_ROWS if "amx_bf16" in cpuinfo_words() else WIDEN_ROWS) if native_bf16 else None
+        common = dict(float_gemm="onednn" if onednn else "blas", gemm_dtype=gemm_dtype, widen_rows=widen_rows)
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, **common)
         fused = "fused" if compiled and device.type == "cpu" else "library"
@@ -213,6 +221,7 @@ class Kernels:
             "float_gemm": self.float_gemm,
             "int8_native": self.int8_native,
             "int4_native": self.int4_native,
+            "widen_rows": self.widen_rows,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
@@ -459,9 +468,10 @@ class Int4Linear(nn.Module):
 
 def runs_native(layer: nn.Module, x: Tensor) -> bool:
     """Whether layer's product with x runs kernels_cpu.cpp: wherever the layer has its layout, at any number of rows,
-    except GEMM_ROWS rows or more on a CPU with bfloat16 matrix products (Kernels.gemm_dtype), where one product with
-    the weights widened to bfloat16 is faster (without them, widening to float32 is slower than the kernel)."""
-    many = x.numel() // x.shape[-1] >= GEMM_ROWS and layer.kernels.gemm_dtype == torch.bfloat16
+    except Kernels.widen_rows rows or more on a CPU with bfloat16 matrix products, where one product with the weights
+    widened to bfloat16 is faster (without them, widening to float32 is slower than the kernel)."""
+    widen_rows = layer.kernels.widen_rows
+    many = widen_rows is not None and x.numel() // x.shape[-1] >= widen_rows
     return layer.native_packed is not None and not many
 
 

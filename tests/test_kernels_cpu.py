@@ -194,7 +194,7 @@ def int4_layer(n: int, k: int, seed: int, groupsize: int = 32) -> kernels.Int4Li
 
 def test_int8_layer_takes_the_kernel(ops):
     """Int8Linear with Kernels.int8_native: any number of rows by the kernel (int8 activations: ~4e-3 from float64
-    here), except GEMM_ROWS or more where the CPU has bfloat16 matrix products (gemm_dtype): a widened bfloat16
+    here), except Kernels.widen_rows or more where the CPU has bfloat16 matrix products: a widened bfloat16
     product; a weight of -128, which the byte products cannot take, and shapes that do not make whole groups of 4
     channels and 64 inputs keep the layer off the kernel."""
     layer = int8_layer(96, 192, 4)
@@ -205,7 +205,8 @@ def test_int8_layer_takes_the_kernel(ops):
     reference_y = x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
     assert torch.equal(layer(torch.cat([x] * 4))[:5], expected)  # 20 rows: the kernel too
-    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa(), gemm_dtype=torch.bfloat16)
+    layer.kernels = kernels.Kernels(int8_native=kernels.native_isa(), gemm_dtype=torch.bfloat16, widen_rows=20)
+    assert torch.equal(layer(torch.cat([x] * 4)[:19])[:5], expected)  # fewer rows: the kernel
     widened = layer(torch.cat([x] * 4))[:5]  # the bfloat16 product
     assert not torch.equal(widened, expected) and ((widened - reference_y).norm() / reference_y.norm()).item() < 1e-2
     for n, k in [(94, 192), (96, 160)]:
@@ -250,19 +251,19 @@ def test_int4_weights_widen_to_the_stored_weights_in_bfloat16(ops):
 
 
 def test_int4_layer_widens_its_weights_for_many_rows(ops):
-    """With bfloat16 matrix products (Kernels.gemm_dtype, chosen where the CPU has them), GEMM_ROWS rows or more run
+    """With bfloat16 matrix products (Kernels.gemm_dtype, chosen where the CPU has them), widen_rows rows or more run
     one product with the widened weights: bfloat16 activations and weights, float32 sums, so within bfloat16
     rounding of the float64 product of the stored weights; fewer rows run the kernel."""
     layer = int4_layer(96, 256, 7)
-    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa(), gemm_dtype=torch.bfloat16)
-    x = torch.randn(kernels.GEMM_ROWS, 256)
+    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa(), gemm_dtype=torch.bfloat16, widen_rows=16)
+    x = torch.randn(16, 256)
     codes, (scales, zeros) = kernels.unpack_int4(layer.weight), layer.scales_and_zeros.transpose(0, 1).unbind(-1)
     stored = qz.dequantize_int4(codes, scales, zeros, 32).double()
     widened = ops.int4_weights(layer.native_packed)
     assert torch.equal(layer(x), torch.nn.functional.linear(x.bfloat16(), widened).float())
     reference_y = x.double() @ stored.T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
-    fewer = x[: kernels.GEMM_ROWS - 1]
+    fewer = x[:15]
     isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
     assert torch.equal(layer(fewer), ops.int4_linear(fewer, layer.native_packed, isa))
 
@@ -287,7 +288,7 @@ def test_joined_pair_equals_each_layer(ops, make, monkeypatch):
         assert torch.equal(g, gate(x[:rows])) and torch.equal(u, up(x[:rows]))
     # per row count: the pair's one call of 40 groups of channels, then each layer's own (24, 16)
     assert calls == [40, 24, 16] * 4
-    widening = dataclasses.replace(gate.kernels, gemm_dtype=torch.bfloat16)
+    widening = dataclasses.replace(gate.kernels, gemm_dtype=torch.bfloat16, widen_rows=20)
     gate.kernels = up.kernels = widening
     g, u = kernels.pair_linear(gate, up, x)
     assert torch.equal(g, gate(x)) and torch.equal(u, up(x)) and len(calls) == 12
