@@ -227,7 +227,9 @@ class Kernels:
 
 
 def set_kernels(model: nn.Module, kernels: Kernels):
-    """Gives every module that computes a linear layer (and the model, for a tied output) this choice."""
+    """Gives every module that computes a linear layer (and the model, for a tied output) this choice; and has the
+    process keep freed memory for reuse (keep_freed_memory), as a CPU's products allocate the same sizes call after
+    call."""
     keep_freed_memory()
     for module in model.modules():
         if hasattr(module, "kernels"):
