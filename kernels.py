@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-GEMM_ROWS = 16  # from this many rows, a CPU widens int8 (and half-precision) weights for a matrix product
+# From this many rows, a CPU widens half-precision weights (and int8 ones off kernels_cpu.cpp) for a matrix product
+GEMM_ROWS = 16
 # From this many rows, a CPU with bfloat16 matrix products (AVX512-BF16 without AMX) widens int8/int4 weights to
 # bfloat16 for one product instead of running kernels_cpu.cpp (Kernels.widen_rows; docs/performance.md)
 WIDEN_ROWS = 80

@@ -493,8 +493,7 @@ at::Tensor int4_weights(const at::Tensor& packed) {
 
 // x [M, K] float32 with M >= 1 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 &&
-                  x.size(1) % 64 == 0,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(1) % 64 == 0,
               "x must be float32 [M, K] with M >= 1 and K a multiple of 64");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == type && packed.size(1) == x.size(1) / 64 &&
                   packed.size(2) == step && packed.is_contiguous(),
