@@ -33,6 +33,13 @@ from sampling import (
 )
 from tokenizer import Tokenizer
 
+# A decode-shaped step attends to the cache slots up to its furthest position, rounded up to a multiple of these
+# (attention_window): on CUDA, where a graph is recorded per length met, to bound their number; elsewhere, where one
+# compiled graph serves every length, to whole vectors of 16 floats: the slots past the furthest position are read
+# for nothing.
+WINDOW_STEPS = {"cuda": 128}
+VECTOR_STEP = 16
+
 
 def prefill(
     model,
@@ -61,6 +68,26 @@ def prefill_and_score(model, x, input_pos, left_pad, s, greedy, n_logprobs, n_to
     # (x[:, 1:]'s log-probs [B, S - 1, 1], the top n_top's values and ids [B, S - 1, n_top]) under the model.
     logits = model(x, input_pos, left_pad, first_row=first_row, kv_length=kv_length)
     return *sample(logits[:, -1], s, greedy, n_logprobs), token_logprobs(logits[:, :-1], x[:, 1:, None], n_top)
+
+
+def attention_window(position: int, max_seq_length: int, device: torch.device) -> Tensor:
+    """The window a decode-shaped step takes whose rows write up to position in a cache of max_seq_length slots: a
+    tensor whose length (the model's kv_length) covers position, rounded up (WINDOW_STEPS), marked dynamic so that
+    one compiled graph serves every length. It stays shorter than the cache, since a slice as long as the cache is
+    contiguous, which the compiled graph would specialise on: a step writes below the last slot."""
+    if position >= max_seq_length - 1:
+        raise ValueError(f"a decode step at position {position} needs a cache of more than {max_seq_length} slots")
+    step = WINDOW_STEPS.get(device.type, VECTOR_STEP)
+    return window_of(min((position // step + 1) * step, max_seq_length - 1), device)
+
+
+@functools.lru_cache(maxsize=256)
+def window_of(length: int, device: torch.device) -> Tensor:
+    """A window tensor of length slots, made once per length: marking a tensor dynamic is Python work that a step
+    need not repeat (the tensor's contents are never read)."""
+    window = torch.empty(length, dtype=torch.bool, device=device)
+    torch._dynamo.mark_dynamic(window, 0)
+    return window
 
 
 def kv_length(window: Tensor | None) -> int | None:
@@ -186,12 +213,12 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Step
     )
     yield token, logprobs
     input_pos = torch.tensor([start_pos + width], device=device)
-    for _ in range(max_new_tokens - 1):
-        record_token(s, token)
+    for step in range(max_new_tokens - 1):
+        if params.penalized:  # what penalties read; nothing else does
+            record_token(s, token)
         refill_noise(s, params, generator)
-        token, logprobs = steps.decode(
-            model, token, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs
-        )
+        window = attention_window(start_pos + width + step, model.max_seq_length, device)
+        token, logprobs = steps.decode(model, token, input_pos, left_pad, s, params.greedy, params.logprobs, window)
         # Copies: CUDA graphs reuse their output buffers on the next call.
         token = token.clone()
         logprobs = None if logprobs is None else tuple(t.clone() for t in logprobs)

@@ -28,15 +28,12 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from chat import cached_prefix
-from decode import draft_and_verify, prefill, prefill_and_score
+from decode import attention_window, draft_and_verify, prefill, prefill_and_score
 from grammar import allowed_tokens
 from results import Speculation, TextPieces, TokenLogprobs, step_logprobs
 from sampling import SamplerState, SamplingParams, accept_drafts, record_token, row_sampler_state, set_row
 from tokenizer import Tokenizer
 
-# A decode step attends to the cache slots up to its furthest row's position, rounded up to this many: a CUDA
-# graph is recorded per length met, so the rounding bounds their number (one compiled graph serves them all).
-WINDOW_STEP = 128
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (OpenAI's limit); a decode step computes this many for all rows
 STEP_LOG = 4096  # the latest steps Engine.steps_taken keeps
 log = logging.getLogger("server")
@@ -177,14 +174,8 @@ class Engine:
         return next(n for n in self.batch_sizes if n > max(rows))
 
     def window(self, position: int) -> torch.Tensor:
-        """The steps' window for a step whose rows write up to position: a tensor of the slots' number (only
-        its length is read), marked dynamic so that no length compiles a graph of its own. It stays shorter
-        than the cache (requests write below the horizon), since a slice as long as the cache is contiguous,
-        which the compiled graph would specialize on."""
-        length = min((position // WINDOW_STEP + 1) * WINDOW_STEP, self.horizon)
-        window = torch.empty(length, dtype=torch.bool, device=self.device)
-        torch._dynamo.mark_dynamic(window, 0)
-        return window
+        """The steps' window (decode.attention_window) for a step whose rows write up to position."""
+        return attention_window(position, self.horizon + 1, self.device)
 
     def submit(self, choices: list[Choice]):
         """Queues a request's choices, all or none: queue.Full when the queue has no room for them all."""
@@ -221,7 +212,7 @@ class Engine:
 
     def admit(self):
         """Takes waiting choices into free slots in arrival order (blocking while the engine has nothing to do):
-        each into the slot slot_for picks."""
+        each into the slot slot_for picks, whose tokens the prompt does not share are set aside first."""
         while None in self.slots:
             try:
                 choice = self.waiting.get(block=not self.busy_slots())
@@ -232,24 +223,38 @@ class Engine:
             row = self.slot_for(choice)
             # Scoring the prompt takes every position's logits, so it prefills the whole prompt.
             kept = 0 if choice.score_prompt else cached_prefix(self.cached[row], choice.ids)
+            self.set_aside(row, kept)
             self.slots[row], self.cached[row], choice.reused = choice, choice.ids[:kept], kept
             self.draft_cached[row] = min(self.draft_cached[row], kept)
             self.prefilling.append(row)
 
     def slot_for(self, choice: Choice) -> int:
-        """The free slot a choice takes: not one that would lose more than a chunk of tokens the prompt does not
-        share (a document stays for its next question), where another is free; then the one that keeps the
-        decode steps' batch smallest (idle rows below a busy one cost as much as busy ones); then the one
-        holding the longest prefix of the prompt (what other slots hold is copied, but this needs no copy);
-        then the one losing the fewest tokens."""
+        """The free slot a choice takes: the one that keeps the decode steps' batch smallest (a step runs rows
+        0..n-1, and an idle row below a busy one costs as much as a busy one); then the one holding the longest
+        prefix of the prompt (what other slots hold is copied, but this needs no copy); then the one holding the
+        fewest tokens (admit sets aside what it held)."""
         busy = self.busy_slots()
 
         def preference(i):
-            kept = cached_prefix(self.cached[i], choice.ids)
-            lost = len(self.cached[i]) - kept
-            return lost <= self.prefill_chunk, -self.batch_size(busy + [i]), kept, -lost, -i
+            return -self.batch_size(busy + [i]), cached_prefix(self.cached[i], choice.ids), -len(self.cached[i]), -i
 
         return max((i for i, c in enumerate(self.slots) if c is None), key=preference)
+
+    def set_aside(self, row: int, kept: int):
+        """Before row is overwritten beyond its first kept tokens: copies what it holds into the free slot holding
+        the fewest tokens (the highest of them), where that holds fewer, so that a document's next question or a
+        conversation's next turn still finds it (copy_prefix) while new requests stay in the low rows."""
+        held, free = len(self.cached[row]), [i for i, c in enumerate(self.slots) if c is None and i != row]
+        if held <= kept or not free:
+            return
+        target = min(free, key=lambda i: (len(self.cached[i]), -i))
+        if len(self.cached[target]) >= held:
+            return
+        self.model.copy_positions(row, target, 0, held)
+        if self.draft is not None and self.draft_cached[row]:
+            self.draft.copy_positions(row, target, 0, self.draft_cached[row])
+        self.cached[target], self.draft_cached[target] = self.cached[row], self.draft_cached[row]
+        self.counts["set_aside_tokens"] += held
 
     def prefill_chunk_of_prompts(self):
         """Prefills up to prefill_chunk prompt tokens of the prefilling rows, oldest first (a prompt scored whole,
@@ -418,7 +423,8 @@ class Engine:
         """One decode step for the decoding rows (the others of the batch feed the idle position)."""
         n = self.batch_size(rows)
         state, positions = self.state_rows(slice(0, n)), self.positions(n)
-        record_token(state, self.tokens[:n])
+        if any(self.slots[i].params.penalized for i in rows):  # what penalties read; nothing else does
+            record_token(state, self.tokens[:n])
         self.refill_noise(rows)
         greedy = all(self.slots[i].params.greedy for i in rows)
         n_logprobs = MAX_TOP_LOGPROBS if any(self.slots[i].top_logprobs is not None for i in rows) else None

@@ -40,6 +40,7 @@ from checkpoint import (
 from decode import (
     Steps,
     Stream,
+    attention_window,
     check_prompts,
     check_speculation,
     compile_steps,
@@ -160,14 +161,17 @@ def speculative_generate(
         len(out) < max_new_tokens and out[-1] not in eos and not (stop and find_stop(tokenizer.decode(out), stop) >= 0)
     ):
         at = torch.tensor([pos], device=device)
-        drafted, p, q = draft_and_verify(model, draft, steps, k, cur, (cur, at), s_target, s_draft, greedy, draft_noise)
+        window = attention_window(pos + k, min(model.max_seq_length, draft.max_seq_length), device)  # writes to pos + k
+        drafted, p, q = draft_and_verify(
+            model, draft, steps, k, cur, (cur, at), s_target, s_draft, greedy, draft_noise, window
+        )
         uniforms = torch.rand(1, k, device=device, generator=generator)
         noise = torch.empty(1, q.shape[-1], device=device).exponential_(generator=generator)
         kept, next_token = accept_drafts(drafted, p, q, uniforms, noise)
         host = torch.cat([kept, next_token, drafted[0]]).tolist()  # the round's one sync
         n = host[0]
         if n == k:  # the draft never fed its last token: do it, so its cache is complete
-            steps.draft(draft, drafted[:, -1:], torch.tensor([pos + k], device=device), s_draft, greedy)
+            steps.draft(draft, drafted[:, -1:], torch.tensor([pos + k], device=device), s_draft, greedy, window)
         emitted = host[2 : 2 + n] + [host[1]]
         stats.record(n)
         out += emitted

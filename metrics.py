@@ -29,6 +29,7 @@ ENGINE_COUNTS = {
     "prefill_chunks": "Prefill calls, each taking a chunk of the prompts of consecutive slots.",
     "prefilled_tokens": "Prompt tokens prefilled.",
     "copied_prompt_tokens": "Prompt tokens whose keys and values were copied from another slot.",
+    "set_aside_tokens": "Tokens whose keys and values moved to a free slot before a request took theirs.",
     "decode_steps": "Decode steps (speculative rounds with a draft) of the busy slots.",
 }
 

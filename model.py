@@ -267,8 +267,10 @@ def grouped_attention(
     scores = (rows[:, :, :, None] * k[:, :, None]).sum(-1) if fused else rows @ k.transpose(-1, -2)
     scores = softcap(scores * scale, logit_softcap)  # [B, H_kv, group * S, T]
     scores = scores.view(bsz, n_kv, -1, seqlen, k.shape[2]).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = scores.softmax(dim=-1).view(bsz, n_kv, -1, k.shape[2])
-    y = (probs[..., None] * v[:, :, None]).sum(-2) if fused else probs @ v
+    # softmax, with its division after the product with v: one division per output, not one per cached position
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp().view(bsz, n_kv, -1, k.shape[2])
+    y = (weights[..., None] * v[:, :, None]).sum(-2) if fused else weights @ v
+    y = y / weights.sum(dim=-1, keepdim=True)
     return y.to(q.dtype).reshape(bsz, n_head, seqlen, head_dim)
 
 

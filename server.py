@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -70,30 +70,6 @@ def make_app(app_state: AppState) -> FastAPI:
     async def api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if app_state.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {app_state.api_key}".encode()):
-                e = ApiError(
-                    "a valid API key is required: Authorization: Bearer KEY", None, 401, "authentication_error"
-                )
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        counter = app_state.metrics.requests.labels if request.url.path.startswith("/v1/") else None
-        try:
-            response = await call_next(request)
-        except Exception:
-            if counter:
-                counter(request.url.path, "500").inc()
-            raise
-        if counter:
-            counter(request.url.path, str(response.status_code)).inc()
-        return response
-
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await complete(request, True, app_state)
@@ -141,6 +117,42 @@ def make_app(app_state: AppState) -> FastAPI:
         return FileResponse(CHAT_PAGE, media_type="text/html")
 
     return app
+
+
+def guarded(app: FastAPI, app_state: AppState) -> Callable:
+    """app (an ASGI app) with requests under /v1/ counted by path and status, and the API key checked on those
+    under /v1. Plain ASGI: a FastAPI middleware would pass each chunk of a stream through a task and a memory
+    stream of its own, which costs a stream's tokens per second."""
+
+    async def asgi(scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1"):
+            return await app(scope, receive, send)
+        status = "500"  # if the app fails before it answers
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            if app_state.api_key and not authorized(scope, app_state.api_key):
+                e = ApiError(
+                    "a valid API key is required: Authorization: Bearer KEY", None, 401, "authentication_error"
+                )
+                return await JSONResponse(e.body(), status_code=401)(scope, receive, send_counted)
+            await app(scope, receive, send_counted)
+        finally:
+            if path.startswith("/v1/"):
+                app_state.metrics.requests.labels(path, status).inc()
+
+    return asgi
+
+
+def authorized(scope, api_key: str) -> bool:
+    given = dict(scope["headers"]).get(b"authorization", b"")
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
 
 
 async def read_body(request: Request):
@@ -378,11 +390,14 @@ def main(argv=None):
         )
         if args.compile:
             engine.warm_up()
-        app = make_app(AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine)))
+        app_state = AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine))
+        app = make_app(app_state)
         # HTTP is served from a thread of its own, and the engine runs here, in the thread that loaded and compiled the
         # model: OpenMP keeps a pool of workers per thread that runs parallel work, and with two pools on the cores
         # libgomp stops spinning between parallel regions, which halved a stream's tokens/s.
-        http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+        http = uvicorn.Server(
+            uvicorn.Config(guarded(app, app_state), host=args.host, port=args.port, log_level="warning")
+        )
         serving = threading.Thread(target=http.run, name="http", daemon=True)
         serving.start()
         while not http.started:

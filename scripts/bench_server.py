@@ -18,9 +18,9 @@ llama-server (build it as docs/serving.md says) serves the GGUF the checkpoint c
 precision (float32: F32, int8: Q8_0, int4: Q4_1, a checkpoint of GGUF blocks: the GGUF's own type; llama.cpp makes
 the copy), with as many slots, the same context per slot and the same threads, continuous batching. server.py runs
 with --max_batch_size the most clients. One request warms up each server first; each server's start time is
-printed (server.py --compile compiles its decode graphs before it serves). The single-stream check: generate.py's
-compiled decode (Stream) on four of the questions one at a time, in this process while server.py is up and idle
-just before its rows, beside the one-client chat row's decode rate.
+printed (server.py --compile compiles its decode graphs before it serves). The single-stream check: four of the
+questions one at a time, each through generate.py's compiled decode (Stream, in this process) and then through
+server.py while it is up and idle, just before its rows: their decode rates over the four.
 """
 
 import argparse
@@ -230,15 +230,15 @@ def run_clients(url: str, server: str, workload: str, clients: int, args, docume
 def serve_and_measure(
     command: list[str], port: int, server: str, args, document: str, while_idle=None
 ) -> tuple[float, list[dict]]:
-    """Starts a server, warms it up with one request, calls while_idle (if any), and runs every workload at every
-    number of clients."""
+    """Starts a server, warms it up with one request, calls while_idle(its url) (if any), and runs every workload at
+    every number of clients."""
     process = subprocess.Popen(command, cwd=ROOT)  # its log goes to stderr
     url = f"http://127.0.0.1:{port}"
     try:
         started = wait_for(process, url, server)
         one_request(url, QUESTIONS[0], 4)
         if while_idle is not None:
-            while_idle()
+            while_idle(url)
         rows = [
             run_clients(url, server, workload, clients, args, document)
             for workload in args.workloads
@@ -250,8 +250,10 @@ def serve_and_measure(
     return started, rows
 
 
-def generate_decode_rate(args) -> float:
-    """generate.py's compiled (or eager) decode tokens/s over the chat questions, one request at a time."""
+def single_stream(args, url: str) -> dict:
+    """generate.py's compiled (or eager) decode and server.py's one stream, tokens/s over the same chat questions:
+    each question through generate.py and then through the idle server, back to back, as speeds drift with the
+    host."""
     cpu = torch.device("cpu")
     model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels)
     steps = compile_steps(cpu, args.compile)
@@ -260,11 +262,14 @@ def generate_decode_rate(args) -> float:
     model.setup_caches(1, max(map(len, prompts)) + args.max_tokens)
     Stream(model, tokenizer, "warm-up", 4, steps=steps).run()
     tokens = seconds = 0.0
-    for ids in prompts:
+    served = []
+    for question, ids in zip(QUESTIONS, prompts):
         result = Stream(model, tokenizer, ids, args.max_tokens, steps=steps).run()
         tokens += len(result.raw_tokens[0]) - 1
         seconds += result.decode_time_s
-    return tokens / seconds
+        served.append(one_request(url, question, args.max_tokens, args.ignore_eos))
+    server_rate = sum(a.tokens - 1 for a in served) / sum(a.span for a in served)
+    return {"generate_decode_tokens_per_s": tokens / seconds, "server_decode_tokens_per_s": server_rate}
 
 
 def parse_args(argv=None):
@@ -309,15 +314,14 @@ def main(argv=None):
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
         peer = None if args.llama_server is None else peer_gguf(args)
     document = document_of(tokenizer, args.document_tokens) if "mixed" in args.workloads else ""
-    started, generate_rate = {}, []
-    # generate.py's rate is measured while server.py is up and idle, just before its rows: speeds drift with the host.
+    started, one_stream = {}, {}
     started["server.py"], rows = serve_and_measure(
         ours_command(args, args.port),
         args.port,
         "server.py",
         args,
         document,
-        lambda: generate_rate.append(generate_decode_rate(args)),
+        lambda url: one_stream.update(single_stream(args, url)),
     )
     if peer is not None:
         gguf, kind = peer
@@ -325,9 +329,8 @@ def main(argv=None):
         command = llama_server_command(args, args.port + 1, gguf)
         started[name], peer_rows = serve_and_measure(command, args.port + 1, name, args, document)
         rows += peer_rows
-    generate_rate = generate_rate[0]
     if args.json:
-        print(json.dumps({"start_s": started, "generate_decode_tokens_per_s": generate_rate, "rows": rows}, indent=1))
+        print(json.dumps({"start_s": started, "single_stream": one_stream, "rows": rows}, indent=1))
         return
     print(
         f"{args.checkpoint_path}, {'compiled' if args.compile else 'eager'}, {os.cpu_count()} CPUs, "
@@ -350,12 +353,11 @@ def main(argv=None):
             f"{r['total_tokens_per_s']:.1f} | {ratio} | {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} | "
             f"{r['largest_gap_s']:.2f} | {r['decode_tokens_per_s']:.1f} |"
         )
-    one = next((r for r in rows if r["server"] == "server.py" and r["workload"] == "chat" and r["clients"] == 1), None)
-    if one is not None:
-        print(
-            f"single stream: server.py decodes {one['decode_tokens_per_s']:.1f} tok/s, generate.py "
-            f"{generate_rate:.1f} tok/s: {one['decode_tokens_per_s'] / generate_rate:.2f}x"
-        )
+    ours, theirs = one_stream["server_decode_tokens_per_s"], one_stream["generate_decode_tokens_per_s"]
+    print(
+        f"single stream (4 questions, each through generate.py and then the idle server.py): server.py decodes "
+        f"{ours:.1f} tok/s, generate.py {theirs:.1f} tok/s: {ours / theirs:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import torch
 
 from chat import Chat
 from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
-from decode import Stream, prefill
+from decode import Steps, Stream, decode_one_token, prefill
 from generate import generate, load_model
 from kernels import Kernels
 from results import TextPieces
@@ -258,3 +258,21 @@ def test_prefill_never_fuses(tiny_checkpoint):
             outputs.append(prefill(model, x, torch.arange(9), torch.zeros(1, dtype=torch.long), s, True, 3))
     (token, logprobs), (fused_token, fused_logprobs) = outputs
     assert torch.equal(token, fused_token) and all(map(torch.equal, logprobs, fused_logprobs))
+
+
+def test_decode_steps_read_only_the_filled_part_of_a_long_cache(tiny_checkpoint):
+    """A decode step attends to a window of the cache that covers every position written so far, rounded up to
+    16 slots (a CPU's), not to the whole cache set up for a chat: the same tokens as a cache just long enough."""
+    model = load_model(tiny_checkpoint)
+    prompt = random_prompts([21], model.config.vocab_size)[0]
+    tight = generate(model, prompt, 40).tokens[0]
+    model.setup_caches(1, model.config.block_size)
+    windows = []
+
+    def decode(model, x, input_pos, left_pad, s, greedy, n_logprobs, window=None):
+        windows.append((int(input_pos[0]), model.max_seq_length if window is None else window.shape[0]))
+        return decode_one_token(model, x, input_pos, left_pad, s, greedy, n_logprobs, window)
+
+    assert generate(model, prompt, 40, steps=Steps(decode=decode)).tokens[0] == tight
+    assert len(windows) == 39
+    assert all(position < length <= position + 16 and length % 16 == 0 for position, length in windows), windows

@@ -1059,27 +1059,51 @@ def test_a_prefix_held_by_any_slot_is_copied_and_never_read_stale(long_checkpoin
     assert all(c.tokens == alone(c) for c in choices)
 
 
-def test_a_slot_holding_a_document_is_taken_last_and_steps_stay_small(long_checkpoint):
-    """A slot holding a long document is not overwritten by a short prompt while another slot is free, and the
-    document's next question takes it back; short prompts take the lowest free slots (a decode step runs rows
-    0..n-1)."""
+def test_requests_take_the_lowest_slots_and_what_those_held_is_set_aside(long_checkpoint):
+    """A decode step runs rows 0..n-1, so a request takes the lowest free slot, and what that slot held moves to
+    the free slot holding the fewest tokens: a document read in slot 0 survives a short prompt taking slot 0, and
+    its next question finds it (900 tokens reused). Every step stays at the fewest rows, and every answer equals
+    the answer alone."""
     tokenizer = load_tokenizer(long_checkpoint)
     rng = random.Random(4)
-    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 4, 2048, Steps(), 8)
+    model = load_model(long_checkpoint / "model.pth")
+    engine = Engine(model, tokenizer, 4, 2048, Steps(), 8)
+    alone_model = load_model(long_checkpoint / "model.pth")
+    alone = lambda c: Stream(alone_model, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]  # noqa: E731
     document, question = random_ids(rng, 900), random_ids(rng, 20)
     chats = [greedy_choice(i, question + random_ids(rng, 5), 3) for i in range(3)]
     engine.submit(chats)
     run_steps(engine, chats)
+    first_chat = list(engine.cached[0])
     reading = greedy_choice(3, document + random_ids(rng, 5), 3)
     engine.submit([reading])
     run_steps(engine, [reading])
     assert engine.cached[0][:900] == document, "the lowest free slot"
+    assert engine.cached[3] == first_chat, "what slot 0 held, set aside in the empty slot"
+    # Its keys as prefilled alone, but for the rounding of a prefill against decode steps (a stale one is O(1) off)
+    k_cache = model.layers[0].attention.kv_cache.k_cache
+    torch.testing.assert_close(
+        k_cache[3, :, : len(first_chat)], alone_cache(alone_model, first_chat), atol=1e-4, rtol=0
+    )
+    steps_before = len(engine.steps_taken)
     later = [greedy_choice(4, question + random_ids(rng, 5), 3), greedy_choice(5, document + random_ids(rng, 4), 3)]
     engine.submit(later)
     engine.step()
-    assert engine.slots[1] is later[0] and later[0].reused == 20  # not slot 0, which holds the document
-    assert engine.slots[0] is later[1] and later[1].reused == 900
+    assert engine.slots[0] is later[0] and later[0].reused == 20
+    assert engine.slots[1] is later[1] and later[1].reused == 900  # copied from where the document was set aside
     run_steps(engine, later)
+    assert engine.counts["set_aside_tokens"] == len(first_chat) + len(reading.ids) + 2
+    decoded_rows = [max(s[1]) for s in list(engine.steps_taken)[steps_before:] if s[0] == "decode"]
+    assert decoded_rows and max(decoded_rows) == 1, "rows 0 and 1 only"
+    assert all(c.tokens == alone(c) for c in chats + [reading] + later)
+
+
+def alone_cache(model, ids: list[int]) -> torch.Tensor:
+    """The first layer's keys of ids [H_kv, len(ids), D], prefilled alone in a fresh cache."""
+    model.setup_caches(1, len(ids) + 1)
+    with torch.no_grad():
+        model(torch.tensor([ids]), torch.arange(len(ids)))
+    return model.layers[0].attention.kv_cache.k_cache[0, :, : len(ids)]
 
 
 def test_a_prompt_whose_client_left_frees_its_slot_at_the_next_chunk_and_arrival_order_holds(long_checkpoint):
