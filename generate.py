@@ -221,13 +221,15 @@ def load_models(
     matvec: str = "auto",
     draft_checkpoint_path: str | Path | None = None,
     shard=None,
+    rows: int = 1,
 ) -> tuple[Transformer, Tokenizer, Transformer | None]:
     """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
     the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for default_dtype(device); the CPU kernels are
-    Kernels.choose(device, compiled, matvec, quantized), quantized when either checkpoint is."""
+    Kernels.choose(device, compiled, matvec, quantized, rows), quantized when either checkpoint is, rows the most a
+    decode step computes (batch rows, times the positions a speculative round verifies)."""
     paths = [p for p in (checkpoint_path, draft_checkpoint_path) if p is not None]
     quantized = any(load_checkpoint(resolve_checkpoint(p))[1] is not None for p in paths)  # memory-mapped: cheap
-    kernels = Kernels.choose(device, compiled, matvec, quantized)
+    kernels = Kernels.choose(device, compiled, matvec, quantized, rows)
     dtype = DTYPES[dtype_name] if dtype_name else default_dtype(device)
     model = load_model(checkpoint_path, device, dtype, shard, kernels)
     tokenizer = load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
@@ -330,9 +332,11 @@ def sampling_params(args) -> SamplingParams:
 
 def run(args, device: torch.device, shard=None):
     piped = None if args.interactive or args.prompt or args.prompts_file else piped_text(shard)  # before loading
+    texts = (args.prompt or []) + (args.prompts_file or []) or [piped or "Hello, my name is"]
+    rows = args.speculate_k + 1 if args.draft_checkpoint_path else len(texts) * args.batch_size  # a step's at most
     start = time.perf_counter()
     model, tokenizer, draft = load_models(
-        args.checkpoint_path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, shard
+        args.checkpoint_path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, shard, rows
     )
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     sampling = sampling_params(args)
@@ -355,7 +359,6 @@ def run(args, device: torch.device, shard=None):
         )
         return chat_loop(chat, tp.line_reader(shard), print_piece)
 
-    texts = (args.prompt or []) + (args.prompts_file or []) or [piped or "Hello, my name is"]
     prompts = check_prompts([tokenizer.encode(text) for text in texts])
     if draft is not None and (len(prompts) > 1 or args.batch_size > 1):
         raise ValueError("speculative decoding takes one prompt and --batch_size 1")

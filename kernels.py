@@ -28,6 +28,10 @@ GEMM_ROWS = 16
 # From this many rows, a CPU with bfloat16 matrix products (AVX512-BF16 without AMX) widens int8/int4 weights to
 # bfloat16 for one product instead of running kernels_cpu.cpp (Kernels.widen_rows; docs/performance.md)
 WIDEN_ROWS = 80
+# From this many rows, a float32 product reads its weight's copy in oneDNN's blocked layout where the kernels keep one
+# (Kernels.packed_float, onednn_layout): given the plain weight, oneDNN reorders it into that layout at every call,
+# which at these rows costs about as much as the product; fewer rows fuse (compiled steps) or read the plain weight.
+PACKED_ROWS = 8
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
@@ -175,9 +179,14 @@ class Kernels:
     # int8/int4 products of this many rows or more widen the weights to gemm_dtype for one matrix product rather than
     # run kernels_cpu.cpp (None: never; see runs_native)
     widen_rows: int | None = None
+    # float32 weights also kept in oneDNN's blocked layout (a second copy, made by set_kernels) for products of
+    # PACKED_ROWS rows or more
+    packed_float: bool = False
 
     @classmethod
-    def choose(cls, device: torch.device, compiled: bool, matvec: str = "auto", quantized: bool = False) -> "Kernels":
+    def choose(
+        cls, device: torch.device, compiled: bool, matvec: str = "auto", quantized: bool = False, rows: int = 1
+    ) -> "Kernels":
         """The fastest measured choice for this CPU (scripts/benchmark.py's configs ending in :fused, :library or
         :native measure the others).
 
@@ -190,8 +199,10 @@ class Kernels:
         AVX2. Widening int8/int4 weights to bfloat16 for a matrix product pays off only with native bfloat16
         (AVX512-BF16, AMX), and there from WIDEN_ROWS rows (AMX: GEMM_ROWS, not measured): without it, matrix
         products emulate bfloat16 and lose to float32, so bfloat16 and float16 weights too are widened to float32
-        there for products of many rows. float32 products that do not fuse run oneDNN on CPUs other than Intel's
-        (docs/performance.md has the figures behind each choice)."""
+        there for products of many rows. float32 products that do not fuse run oneDNN on CPUs other than Intel's, and
+        where the run's decode steps compute PACKED_ROWS rows or more (rows: a batch, or a speculative round's
+        verification), the float32 weights are kept a second time in oneDNN's own layout for them ("auto" only: it
+        costs their memory again). docs/performance.md has the figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -203,6 +214,7 @@ class Kernels:
         common = dict(float_gemm="onednn" if onednn else "blas", gemm_dtype=gemm_dtype, widen_rows=widen_rows)
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, **common)
+        common["packed_float"] = onednn and device.type == "cpu" and rows >= PACKED_ROWS
         fused = "fused" if compiled and device.type == "cpu" else "library"
         quant = fused if avx512 else "library"
         if matvec == "native":
@@ -223,18 +235,31 @@ class Kernels:
             "int8_native": self.int8_native,
             "int4_native": self.int4_native,
             "widen_rows": self.widen_rows,
+            "packed_float": self.packed_float,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
 
 def set_kernels(model: nn.Module, kernels: Kernels):
-    """Gives every module that computes a linear layer (and the model, for a tied output) this choice; and has the
-    process keep freed memory for reuse (keep_freed_memory), as a CPU's products allocate the same sizes call after
-    call."""
+    """Gives every module that computes a linear layer (and the model, for a tied output) this choice, with the
+    weights' copies in oneDNN's layout where it keeps them (onednn_layout); and has the process keep freed memory for
+    reuse (keep_freed_memory), as a CPU's products allocate the same sizes call after call."""
     keep_freed_memory()
     for module in model.modules():
         if hasattr(module, "kernels"):
             module.kernels = kernels
+        if isinstance(module, Linear):
+            module.packed_weight = onednn_layout(module.weight, kernels)
+    if getattr(model, "output", True) is None:  # a tied output projection (model.Transformer) reads the embeddings
+        model.packed_output = onednn_layout(model.tok_embeddings.weight, kernels)
+
+
+def onednn_layout(weight: Tensor, kernels: Kernels) -> Tensor | None:
+    """A float32 weight [N, K] on a CPU as oneDNN's products of PACKED_ROWS rows read it (its blocked layout, a copy),
+    where kernels.packed_float says so; else None."""
+    if not kernels.packed_float or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
 
 
 # The fused_rows that compiled steps pass (decode.compile_steps): a speculative verify of k <= 7, a small batch.
@@ -255,11 +280,15 @@ def linear(
     scales: Tensor | None = None,
     fused_rows: int = 0,
     kernels: "Kernels | None" = None,
+    packed: Tensor | None = None,
 ) -> Tensor:
-    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. x of up to fused_rows rows
+    """x @ weight.T, times per-output scales (int8 weights), plus bias, in x's dtype. x of PACKED_ROWS rows or more,
+    where packed holds the weight in oneDNN's layout (onednn_layout): by oneDNN from it. x of up to fused_rows rows
     on a CPU (0: none): as float32 multiply-and-sums, which torch.compile fuses into one pass over the weights.
     Other products on a CPU: by the library kernels choose (see cpu_product); None, or on CUDA: F.linear."""
-    if fuses(x, fused_rows):
+    if packed is not None and x.numel() // x.shape[-1] >= PACKED_ROWS:
+        y = onednn_linear(x.reshape(-1, x.shape[-1]), packed).reshape(*x.shape[:-1], -1)
+    elif fuses(x, fused_rows):
         w = weight.float()
         y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
         y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -290,8 +319,9 @@ def cpu_product(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kern
 
 @torch.library.custom_op("gpt_fast::onednn_linear", mutates_args=())
 def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [M, K] @ weight [N, K].T -> [M, N] in float32, by oneDNN (MKL is what F.linear runs). An operator of our
-    own so that compiled steps can call it: inductor lowers oneDNN's linear for constant, prepacked weights only."""
+    """x [M, K] @ weight [N, K].T -> [M, N] in float32, by oneDNN (MKL is what F.linear runs); weight as it is or in
+    oneDNN's layout (onednn_layout). An operator of our own so that compiled steps can call it: inductor lowers
+    oneDNN's linear for constant weights only, which it prepacks itself."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
@@ -303,10 +333,14 @@ def _(x: Tensor, weight: Tensor) -> Tensor:
 class Linear(nn.Linear):
     kernels = Kernels()
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("packed_weight", None, persistent=False)  # in oneDNN's layout, where kept (set_kernels)
+
     def forward(self, x: Tensor, fused_rows: int = 1) -> Tensor:
         # fused_rows: what the step allows (model.Transformer.forward); this layer fuses only by its kernels' choice
         fused_rows = fused_rows if self.kernels.float_matvec == "fused" else 0
-        return linear(x, self.weight, self.bias, fused_rows=fused_rows, kernels=self.kernels)
+        return linear(x, self.weight, self.bias, fused_rows=fused_rows, kernels=self.kernels, packed=self.packed_weight)
 
 
 def unpack_int4(packed: Tensor) -> Tensor:

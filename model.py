@@ -63,6 +63,8 @@ class Transformer(nn.Module):
         self.norm = make_norm(config, config.dim)
         # With tied embeddings the output projection reuses tok_embeddings.weight and has no weight of its own.
         self.output = None if config.tie_word_embeddings else Linear(config.dim, config.vocab_size, bias=False)
+        # the tied output's weight in oneDNN's layout, where the kernels keep one (set_kernels)
+        self.register_buffer("packed_output", None, persistent=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
 
@@ -136,7 +138,8 @@ class Transformer(nn.Module):
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             rows = fused_rows if self.kernels.float_matvec == "fused" else 0
-            logits = linear(x, self.tok_embeddings.weight, fused_rows=rows, kernels=self.kernels)
+            weight, packed = self.tok_embeddings.weight, self.packed_output
+            logits = linear(x, weight, fused_rows=rows, kernels=self.kernels, packed=packed)
         else:
             logits = self.output(x, fused_rows)
         return softcap(logits.float(), self.config.final_logit_softcap)

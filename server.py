@@ -12,6 +12,7 @@ metrics.py holds the counters.
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -361,8 +362,9 @@ def main(argv=None):
         args = parse_args(argv)
         device = args.device
         path = resolve_checkpoint(args.checkpoint_path)
+        rows = args.max_batch_size * (args.speculate_k + 1 if args.draft_checkpoint_path else 1)  # a step's at most
         model, tokenizer, draft = load_models(
-            path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path
+            path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, rows=rows
         )
         if draft is not None:
             check_speculation(model, draft, SamplingParams(), args.speculate_k)
@@ -390,6 +392,9 @@ def main(argv=None):
         )
         if args.compile:
             engine.warm_up()
+        # What loading and compiling made lives as long as the server: Python's full collections would walk it all,
+        # each stalling the engine and the HTTP thread (they hold the interpreter); frozen, collections skip it.
+        gc.freeze()
         app_state = AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine))
         app = make_app(app_state)
         # HTTP is served from a thread of its own, and the engine runs here, in the thread that loaded and compiled the

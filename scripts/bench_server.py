@@ -5,9 +5,9 @@
         --llama_server PATH/llama-server                                   # int8 beside Q8_0
     python scripts/bench_server.py --clients 1,8 --max_tokens 64 --requests 1 --no-compile   # ours alone
 
-Workloads (--workloads): "chat": C clients each send --requests streamed chat requests in turn (different
-questions, greedy, --max_tokens tokens: ignore_eos, as both servers take it, so that both do the same work even where
-their greedy texts part), all starting together; "mixed": the same, but the requests of every
+Workloads (--workloads): "chat": C clients each send --requests streamed chat requests in turn, on a connection of
+their own (different questions, greedy, --max_tokens tokens: ignore_eos, as both servers take it, so that both do the
+same work even where their greedy texts part), all starting together; "mixed": the same, but the requests of every
 fourth client (the first, the fifth, ...) begin with a document of --document_tokens tokens, a long prompt entering
 while the other streams run. Each row: total tokens/s (completion tokens of all requests / wall time from the first
 request sent to the last answer), time to first token (TTFT: from sending a request to its first streamed text) p50
@@ -17,10 +17,12 @@ first / time from the first to the last).
 llama-server (build it as docs/serving.md says) serves the GGUF the checkpoint came from (--gguf) at the checkpoint's
 precision (float32: F32, int8: Q8_0, int4: Q4_1, a checkpoint of GGUF blocks: the GGUF's own type; llama.cpp makes
 the copy), with as many slots, the same context per slot and the same threads, continuous batching. server.py runs
-with --max_batch_size the most clients. One request warms up each server first; each server's start time is
-printed (server.py --compile compiles its decode graphs before it serves). The single-stream check: four of the
-questions one at a time, each through generate.py's compiled decode (Stream, in this process) and then through
-server.py while it is up and idle, just before its rows: their decode rates over the four.
+with --max_batch_size the most clients. Both servers are up together, each idle while the other is measured, and
+each row runs on server.py and then on llama-server, so that the host's drift over the minutes of a whole set of rows
+does not enter their ratio. One request warms up each server first; each server's start time is printed
+(server.py --compile compiles its decode graphs before it serves). The single-stream check: four of the questions
+one at a time, each through generate.py's compiled decode (Stream, in this process) and then through server.py
+while it is up and idle, just before the rows: their decode rates over the four.
 """
 
 import argparse
@@ -185,7 +187,11 @@ def llama_server_command(args, port: int, gguf: Path) -> list[str]:
     ]
 
 
-def one_request(url: str, message: str, max_tokens: int, ignore_eos: bool = False) -> Answer:
+def one_request(http: httpx.Client, url: str, message: str, max_tokens: int, ignore_eos: bool = False) -> Answer:
+    """One streamed chat request on the client's connection, which stays open between its requests as an OpenAI SDK
+    client's pool does (a connection per request would add its setup, on the same cores, to every TTFT). As that
+    client does, a request the server closed the connection on before answering is sent again (llama-server closes
+    kept-alive connections at times); its TTFT counts from the first try."""
     body = {
         "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
@@ -195,16 +201,22 @@ def one_request(url: str, message: str, max_tokens: int, ignore_eos: bool = Fals
         "ignore_eos": ignore_eos,
     }
     start, pieces, tokens = time.perf_counter(), [], 0
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                pieces.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    for tries_left in (2, 1, 0):
+        try:
+            with http.stream("POST", url + "/v1/chat/completions", json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        pieces.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            break
+        except httpx.RemoteProtocolError:
+            if pieces or not tries_left:
+                raise
     gaps = [b - a for a, b in zip(pieces, pieces[1:])]
     return Answer(pieces[0] - start, tokens, pieces[-1] - pieces[0], max(gaps, default=0.0))
 
@@ -213,8 +225,9 @@ def run_clients(url: str, server: str, workload: str, clients: int, args, docume
     answers = []
 
     def client(messages):
-        for message in messages:
-            answers.append(one_request(url, message, args.max_tokens, args.ignore_eos))
+        with httpx.Client(timeout=600) as http:
+            for message in messages:
+                answers.append(one_request(http, url, message, args.max_tokens, args.ignore_eos))
 
     threads = [
         threading.Thread(target=client, args=(m,)) for m in requests_of(workload, clients, args.requests, document)
@@ -227,27 +240,15 @@ def run_clients(url: str, server: str, workload: str, clients: int, args, docume
     return summary(server, workload, clients, time.perf_counter() - start, answers)
 
 
-def serve_and_measure(
-    command: list[str], port: int, server: str, args, document: str, while_idle=None
-) -> tuple[float, list[dict]]:
-    """Starts a server, warms it up with one request, calls while_idle(its url) (if any), and runs every workload at
-    every number of clients."""
-    process = subprocess.Popen(command, cwd=ROOT)  # its log goes to stderr
+def start(command: list[str], port: int, name: str, processes: list[subprocess.Popen]) -> tuple[str, float]:
+    """Starts a server (added to processes, for the caller to stop) and warms it up with one request: its url and
+    the seconds until it served."""
+    processes.append(subprocess.Popen(command, cwd=ROOT))  # its log goes to stderr
     url = f"http://127.0.0.1:{port}"
-    try:
-        started = wait_for(process, url, server)
-        one_request(url, QUESTIONS[0], 4)
-        if while_idle is not None:
-            while_idle(url)
-        rows = [
-            run_clients(url, server, workload, clients, args, document)
-            for workload in args.workloads
-            for clients in args.clients
-        ]
-    finally:
-        process.terminate()
-        process.wait()
-    return started, rows
+    started = wait_for(processes[-1], url, name)
+    with httpx.Client(timeout=600) as http:
+        one_request(http, url, QUESTIONS[0], 4)
+    return url, started
 
 
 def single_stream(args, url: str) -> dict:
@@ -263,11 +264,12 @@ def single_stream(args, url: str) -> dict:
     Stream(model, tokenizer, "warm-up", 4, steps=steps).run()
     tokens = seconds = 0.0
     served = []
-    for question, ids in zip(QUESTIONS, prompts):
-        result = Stream(model, tokenizer, ids, args.max_tokens, steps=steps).run()
-        tokens += len(result.raw_tokens[0]) - 1
-        seconds += result.decode_time_s
-        served.append(one_request(url, question, args.max_tokens, args.ignore_eos))
+    with httpx.Client(timeout=600) as http:
+        for question, ids in zip(QUESTIONS, prompts):
+            result = Stream(model, tokenizer, ids, args.max_tokens, steps=steps).run()
+            tokens += len(result.raw_tokens[0]) - 1
+            seconds += result.decode_time_s
+            served.append(one_request(http, url, question, args.max_tokens, args.ignore_eos))
     server_rate = sum(a.tokens - 1 for a in served) / sum(a.span for a in served)
     return {"generate_decode_tokens_per_s": tokens / seconds, "server_decode_tokens_per_s": server_rate}
 
@@ -314,21 +316,25 @@ def main(argv=None):
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
         peer = None if args.llama_server is None else peer_gguf(args)
     document = document_of(tokenizer, args.document_tokens) if "mixed" in args.workloads else ""
-    started, one_stream = {}, {}
-    started["server.py"], rows = serve_and_measure(
-        ours_command(args, args.port),
-        args.port,
-        "server.py",
-        args,
-        document,
-        lambda url: one_stream.update(single_stream(args, url)),
-    )
+    servers = {"server.py": (ours_command(args, args.port), args.port)}
     if peer is not None:
         gguf, kind = peer
-        name = f"llama-server {kind}"
-        command = llama_server_command(args, args.port + 1, gguf)
-        started[name], peer_rows = serve_and_measure(command, args.port + 1, name, args, document)
-        rows += peer_rows
+        servers[f"llama-server {kind}"] = (llama_server_command(args, args.port + 1, gguf), args.port + 1)
+    processes, urls, started = [], {}, {}
+    try:
+        for name, (command, port) in servers.items():
+            urls[name], started[name] = start(command, port, name, processes)
+        one_stream = single_stream(args, urls["server.py"])
+        rows = [
+            run_clients(url, name, workload, clients, args, document)
+            for workload in args.workloads
+            for clients in args.clients
+            for name, url in urls.items()
+        ]
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait()
     if args.json:
         print(json.dumps({"start_s": started, "single_stream": one_stream, "rows": rows}, indent=1))
         return

@@ -15,8 +15,10 @@ import torch
 import kernels
 import quantize as qz
 from conftest import ROOT, SMOLLM2_DIR
+from generate import load_model
 
 pytestmark = pytest.mark.numerics
+CPU = torch.device("cpu")
 
 
 def runnable_isas() -> list[int]:
@@ -349,9 +351,57 @@ def test_onednn_float32_product_eager_and_compiled(rows):
     assert torch.equal(compiled, eager)
 
 
+ONEDNN_PACKED = kernels.Kernels("fused", "fused", float_gemm="onednn", packed_float=True)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this build of torch")
+@pytest.mark.parametrize("rows", [1, 7, 8, 100])
+def test_products_of_many_rows_read_the_weights_copy_in_onednn_layout(rows):
+    """Kernels.packed_float: set_kernels keeps a float32 layer's weight a second time in oneDNN's layout (not in the
+    state dict), which products of PACKED_ROWS rows or more read, within float32 rounding of the float64 product,
+    eager and compiled alike; fewer rows read the weight itself. Which copy a product read shows once the weight
+    itself is zeroed."""
+    torch.manual_seed(rows)
+    layer = kernels.Linear(320, 96, bias=True)
+    kernels.set_kernels(layer, ONEDNN_PACKED)
+    assert layer.packed_weight is not None and set(layer.state_dict()) == {"weight", "bias"}
+    x = torch.randn(rows, 320)
+    with torch.no_grad():
+        reference_y = x.double() @ layer.weight.double().T + layer.bias.double()
+        bound = 320 * 2.0**-24 * (x.double().abs() @ layer.weight.double().abs().T + layer.bias.double().abs())
+        layer.weight.zero_()
+        eager = layer(x, 8)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x, 8)
+    if rows >= kernels.PACKED_ROWS:
+        assert (eager.double() - reference_y).abs().le(bound).all()
+    else:
+        assert torch.equal(eager, layer.bias.expand(rows, -1))
+    assert torch.allclose(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this build of torch")
+def test_a_model_for_batched_steps_keeps_onednn_copies_of_its_float32_weights():
+    """Kernels.choose keeps the copies where the run's steps reach PACKED_ROWS rows and the float32 products run
+    oneDNN; with them, the tied output's among them, a batch's logits are those of the model without them."""
+    chosen = [kernels.Kernels.choose(CPU, True, rows=rows).packed_float for rows in (1, 7, 8, 64)]
+    onednn = kernels.Kernels.choose(CPU, True).float_gemm == "onednn"
+    assert chosen == ([False, False, True, True] if onednn else [False] * 4)
+    plain = load_model(SMOLLM2_DIR, kernels=kernels.Kernels.choose(CPU, True))
+    packed = load_model(SMOLLM2_DIR, kernels=ONEDNN_PACKED)
+    linears = [m for m in packed.modules() if isinstance(m, kernels.Linear)]
+    assert packed.output is None and packed.packed_output is not None and plain.packed_output is None
+    assert linears and all(m.packed_weight is not None for m in linears)
+    x = torch.randint(100, 1000, (16, 12))
+    with torch.no_grad():
+        for m in (plain, packed):
+            m.setup_caches(16, 64)
+        steps = [m(x, torch.arange(12), fused_rows=8) for m in (plain, packed)]
+    assert torch.allclose(steps[0], steps[1], rtol=1e-4, atol=1e-4)
+
+
 def test_kernels_record_the_float32_product():
     """The choice is recorded in the run's figures: oneDNN where the CPU is not Intel's (MKL is Intel's library)."""
-    chosen = kernels.Kernels.choose(torch.device("cpu"), False).describe()
+    chosen = kernels.Kernels.choose(CPU, False).describe()
     intel = "GenuineIntel" in kernels.cpuinfo_words()
     assert chosen["float_gemm"] == ("blas" if intel or not torch.backends.mkldnn.is_available() else "onednn")
 
