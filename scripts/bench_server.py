@@ -240,7 +240,7 @@ def run_clients(url: str, server: str, workload: str, clients: int, args, docume
     return summary(server, workload, clients, time.perf_counter() - start, answers)
 
 
-def start(command: list[str], port: int, name: str, processes: list[subprocess.Popen]) -> tuple[str, float]:
+def start_server(command: list[str], port: int, name: str, processes: list[subprocess.Popen]) -> tuple[str, float]:
     """Starts a server (added to processes, for the caller to stop) and warms it up with one request: its url and
     the seconds until it served."""
     processes.append(subprocess.Popen(command, cwd=ROOT))  # its log goes to stderr
@@ -323,7 +323,7 @@ def main(argv=None):
     processes, urls, started = [], {}, {}
     try:
         for name, (command, port) in servers.items():
-            urls[name], started[name] = start(command, port, name, processes)
+            urls[name], started[name] = start_server(command, port, name, processes)
         one_stream = single_stream(args, urls["server.py"])
         rows = [
             run_clients(url, name, workload, clients, args, document)

@@ -1,6 +1,7 @@
 """kernels_cpu.cpp's int8 and int4 products against an integer reference, for every ISA path this CPU runs; rows
 bitwise the same alone and in batches; the layers' use of them; int4 weights widened for many rows; the PyTorch
-fallback when the file cannot be built; oneDNN's float32 product, eager and compiled."""
+fallback when the file cannot be built; oneDNN's float32 product, eager and compiled, and its copy of the weights in
+oneDNN's layout."""
 
 import dataclasses
 import os
