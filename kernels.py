@@ -201,8 +201,8 @@ class Kernels:
         products emulate bfloat16 and lose to float32, so bfloat16 and float16 weights too are widened to float32
         there for products of many rows. float32 products that do not fuse run oneDNN on CPUs other than Intel's, and
         where the run's decode steps compute PACKED_ROWS rows or more (rows: a batch, or a speculative round's
-        verification), the float32 weights are kept a second time in oneDNN's own layout for them ("auto" only: it
-        costs their memory again). docs/performance.md has the figures behind each choice."""
+        verification), the float32 weights are kept a second time in oneDNN's own layout for them (not with "fused"
+        or "library": it costs their memory again). docs/performance.md has the figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
