@@ -39,6 +39,10 @@ from tokenizer import Tokenizer
 # for nothing.
 WINDOW_STEPS = {"cuda": 128}
 VECTOR_STEP = 16
+# A server's decode step on a CPU attends in groups of this many consecutive rows, each group to its own window (one
+# compiled graph serves every combination of lengths): rows holding long prompts then make only their group read as
+# far as they do. On CUDA, where a graph is recorded per combination, all rows take one window.
+WINDOW_GROUP_ROWS = {"cpu": 4}
 
 
 def prefill(
@@ -49,63 +53,97 @@ def prefill(
     s: SamplerState,
     greedy: bool,
     n_logprobs: int | None,
-    first_row: int = 0,
+    cache_rows: Tensor | None = None,
     kv_length: int | None = None,
     last: Tensor | None = None,
 ):
-    # x: [B, S] prompts in cache slots input_pos ([S], or [B, S] per row) of cache rows first_row..
+    # x: [B, S] prompts in cache slots input_pos ([S], or [B, S] per row) of cache rows cache_rows ([B]; None: 0..B-1)
     # -> first new token [B, 1] (and its log-probs), from each row's last position, or from position last[b] of
     # row b where rows are right-padded. No product fuses (fused_rows 0), eager or compiled: the prompt's are of
     # many rows, and the output projection of the last one, fused eagerly, would materialise a vocabulary-sized
     # float32 temporary.
-    logits = model(x, input_pos, left_pad, last is None, first_row=first_row, kv_length=kv_length, fused_rows=0)
+    logits = model(x, input_pos, left_pad, last is None, cache_rows=cache_rows, kv_length=kv_length, fused_rows=0)
     at_end = logits[:, -1] if last is None else logits[torch.arange(x.shape[0], device=x.device), last]
     return sample(at_end, s, greedy, n_logprobs)
 
 
-def prefill_and_score(model, x, input_pos, left_pad, s, greedy, n_logprobs, n_top, first_row=0, kv_length=None):
+def prefill_and_score(model, x, input_pos, left_pad, s, greedy, n_logprobs, n_top, cache_rows=None, kv_length=None):
     # prefill, from every position's logits, also scoring the prompt: -> first new token [B, 1], its log-probs, and
     # (x[:, 1:]'s log-probs [B, S - 1, 1], the top n_top's values and ids [B, S - 1, n_top]) under the model.
-    logits = model(x, input_pos, left_pad, first_row=first_row, kv_length=kv_length)
+    logits = model(x, input_pos, left_pad, cache_rows=cache_rows, kv_length=kv_length)
     return *sample(logits[:, -1], s, greedy, n_logprobs), token_logprobs(logits[:, :-1], x[:, 1:, None], n_top)
 
 
-def attention_window(position: int, max_seq_length: int, device: torch.device) -> Tensor:
+def attention_window(position: int, max_seq_length: int, device: torch.device, group: int = 0) -> Tensor:
     """The window a decode-shaped step takes whose rows write up to position in a cache of max_seq_length slots: a
     tensor whose length (the model's kv_length) covers position, rounded up (WINDOW_STEPS), marked dynamic so that
     one compiled graph serves every length. It stays shorter than the cache, since a slice as long as the cache is
-    contiguous, which the compiled graph would specialise on: a step writes below the last slot."""
+    contiguous, which the compiled graph would specialise on: a step writes below the last slot. group: which group
+    of rows it is for (attention_windows)."""
     if position >= max_seq_length - 1:
         raise ValueError(f"a decode step at position {position} needs a cache of more than {max_seq_length} slots")
     step = WINDOW_STEPS.get(device.type, VECTOR_STEP)
-    return window_of(min((position // step + 1) * step, max_seq_length - 1), device)
+    return window_of(min((position // step + 1) * step, max_seq_length - 1), device, group)
+
+
+def attention_windows(positions: list[int], max_seq_length: int, device: torch.device) -> tuple[Tensor, ...]:
+    """The windows of a step whose groups of rows (window_groups) write up to positions, one for each. Each group's
+    window is a tensor of its own, whatever its length: Dynamo takes one tensor passed twice as one input, whose
+    length the compiled graph would then assume the groups share."""
+    return tuple(attention_window(p, max_seq_length, device, g) for g, p in enumerate(positions))
+
+
+def window_groups(rows: int, device: torch.device) -> int:
+    """How many groups of consecutive rows (WINDOW_GROUP_ROWS each) a decode-shaped step of rows rows attends in."""
+    size = WINDOW_GROUP_ROWS.get(device.type)
+    return rows // size if size and rows % size == 0 else 1
 
 
 @functools.lru_cache(maxsize=256)
-def window_of(length: int, device: torch.device) -> Tensor:
-    """A window tensor of length slots, made once per length: marking a tensor dynamic is Python work that a step
-    need not repeat (the tensor's contents are never read)."""
+def window_of(length: int, device: torch.device, group: int = 0) -> Tensor:
+    """A window tensor of length slots, made once per length and group: marking a tensor dynamic is Python work
+    that a step need not repeat (the tensor's contents are never read)."""
     window = torch.empty(length, dtype=torch.bool, device=device)
     torch._dynamo.mark_dynamic(window, 0)
     return window
 
 
-def kv_length(window: Tensor | None) -> int | None:
-    """The model's kv_length that a step's window tensor stands for (None: the whole cache)."""
+def kv_length(window: Tensor | tuple[Tensor, ...] | None) -> int | tuple[int, ...] | None:
+    """The model's kv_length that a step's window tensor (or tensors, one per group of rows) stands for (None: the
+    whole cache)."""
+    if isinstance(window, tuple):
+        return tuple(w.shape[0] for w in window)
     return None if window is None else window.shape[0]
 
 
-def decode_one_token(model, x, input_pos, left_pad, s, greedy, n_logprobs, window: Tensor | None = None, fused_rows=1):
+def decode_one_token(
+    model,
+    x,
+    input_pos,
+    left_pad,
+    s,
+    greedy,
+    n_logprobs,
+    window: Tensor | tuple[Tensor, ...] | None = None,
+    fused_rows=1,
+):
     # The arguments as prefill's. x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and
-    # its log-probs). window: a tensor whose length is the model's kv_length (None: the whole cache); marked dynamic
-    # (torch._dynamo.mark_dynamic), one compiled graph serves every length, which a plain int argument would not.
+    # its log-probs). window: a tensor whose length is the model's kv_length (None: the whole cache), or one per
+    # group of rows; marked dynamic (torch._dynamo.mark_dynamic), one compiled graph serves every length, which a
+    # plain int argument would not.
     # fused_rows, here and in the other decode-shaped steps: the model's (compile_steps binds FUSED_ROWS).
     logits = model(x, input_pos, left_pad, kv_length=kv_length(window), fused_rows=fused_rows)
     return sample(logits[:, -1], s, greedy, n_logprobs)
 
 
 def draft_step(
-    draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None, fused_rows=1
+    draft,
+    x: Tensor,
+    input_pos: Tensor,
+    s: SamplerState,
+    greedy: bool,
+    window: Tensor | tuple[Tensor, ...] | None = None,
+    fused_rows=1,
 ):
     # x: [B, S] in slots input_pos ([S], or [B, S] per row) -> a token drafted after the last [B, 1] and the
     # distribution p it was drawn from [B, V]. window: as decode_one_token's.
@@ -115,7 +153,13 @@ def draft_step(
 
 
 def verify_step(
-    model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Tensor | None = None, fused_rows=1
+    model,
+    x: Tensor,
+    input_pos: Tensor,
+    s: SamplerState,
+    greedy: bool,
+    window: Tensor | tuple[Tensor, ...] | None = None,
+    fused_rows=1,
 ) -> Tensor:
     # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
     # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
@@ -270,7 +314,7 @@ def draft_and_verify(
     s_draft: SamplerState,
     greedy: bool,
     refill_noise: Callable[[], None],
-    window: Tensor | None = None,
+    window: Tensor | tuple[Tensor, ...] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The model work of a speculative round, for rows at their current tokens [B, 1]: the draft reads draft_input
     (tokens [B, S] and their positions, the last S being the current tokens' positions [B, 1] or [1]) and drafts k

@@ -1,19 +1,20 @@
 """The server's engine: one thread (server.py's main thread; Engine.thread in-process) that owns the model and a
 static KV cache of max_batch_size rows ("slots").
 
-A request's choices wait in a bounded queue and take free slots in arrival order (slot_for picks which). Each turn
-of the loop prefills up to prefill_chunk prompt tokens of the slots still entering, oldest first (the pieces of
-consecutive slots in one call), then runs one decode step for every slot that has its prompt in: a long prompt
-enters in chunks while the running streams go on. A choice frees its slot when it ends or its client goes away (a
-prefill stops at its next chunk). A slot keeps its tokens' keys and values after its request, and before a chunk a
-slot copies the longest prefix of its prompt that any slot holds, busy or not: the next turn of a conversation, a
-shared system prompt, the n choices of a request prefill only what is new (a slot waits while an older one
-prefills a longer prefix of its prompt than it could copy). With a draft model, each step is a round of speculative
-decoding for all decoding slots (decode.draft_and_verify; the acceptance rule of sampling.accept_drafts): while a
-slot's request is one the rule does not cover (penalties, log-probs, a grammar), the batch decodes one token per
-step instead. A choice with a grammar (grammar.py) has a matcher: after each of its tokens, the matcher's allowed
-tokens become its row's mask for the next step, which every row reads (all tokens allowed in a free row), so
-constrained and free rows share a step's graph.
+A request's choices wait in a bounded queue and take free slots in arrival order (slot_for picks which). A step's
+rows attend in groups, each to a window of its own (decode.window_groups): after admitting, rows swap slots so that
+long prompts share a group (regroup). Each turn of the loop prefills up to prefill_chunk prompt tokens of the slots
+still entering, oldest first (short pieces of several slots in one call), then runs one decode step for every slot
+that has its prompt in: a long prompt enters in chunks while the running streams go on. A choice frees its slot when
+it ends or its client goes away (a prefill stops at its next chunk). A slot keeps its tokens' keys and values after
+its request, and before a chunk a slot copies the longest prefix of its prompt that any slot holds, busy or not: the
+next turn of a conversation, a shared system prompt, the n choices of a request prefill only what is new (a slot
+waits while an older one prefills a longer prefix of its prompt than it could copy). With a draft model, each step
+is a round of speculative decoding for all decoding slots (decode.draft_and_verify; the acceptance rule of
+sampling.accept_drafts): while a slot's request is one the rule does not cover (penalties, log-probs, a grammar),
+the batch decodes one token per step instead. A choice with a grammar (grammar.py) has a matcher: after each of its
+tokens, the matcher's allowed tokens become its row's mask for the next step, which every row reads (all tokens
+allowed in a free row), so constrained and free rows share a step's graph.
 """
 
 import logging
@@ -28,7 +29,15 @@ import torch
 from llguidance import LLMatcher, LLTokenizer
 
 from chat import cached_prefix
-from decode import attention_window, draft_and_verify, prefill, prefill_and_score
+from decode import (
+    VECTOR_STEP,
+    attention_windows,
+    draft_and_verify,
+    kv_length,
+    prefill,
+    prefill_and_score,
+    window_groups,
+)
 from grammar import allowed_tokens
 from results import Speculation, TextPieces, TokenLogprobs, step_logprobs
 from sampling import SamplerState, SamplingParams, accept_drafts, record_token, row_sampler_state, set_row
@@ -36,6 +45,7 @@ from tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (OpenAI's limit); a decode step computes this many for all rows
 STEP_LOG = 4096  # the latest steps Engine.steps_taken keeps
+PREFILL_PADDING = 32  # padded positions a prefill call may compute for nothing: fewer than a pass over the weights
 log = logging.getLogger("server")
 
 
@@ -144,11 +154,15 @@ class Engine:
         changes no slot."""
         for n in self.batch_sizes:
             state, positions = self.state_rows(slice(0, n)), self.positions(n)
+            # each group of rows a window of another length: a graph compiled for groups of equal windows would
+            # assume them equal (and compile again when they are not)
+            groups = range(window_groups(n, self.device))
+            windows = attention_windows([VECTOR_STEP * g for g in groups], self.horizon + 1, self.device)
             for greedy in (True, False):
                 start = time.perf_counter()
-                self.decode_step(n, state, positions, greedy, None, self.window(0))
+                self.decode_step(n, state, positions, greedy, None, windows)
                 if self.draft is not None:
-                    self.draft_and_verify(n, [], state, positions, greedy, self.window(0))
+                    self.draft_and_verify(n, [], state, positions, greedy, windows)
                 log.info(
                     "%s of %d rows, %s: ready in %.1f s",
                     "speculative round" if self.draft else "decode step",
@@ -157,7 +171,7 @@ class Engine:
                     time.perf_counter() - start,
                 )
 
-    def state_rows(self, rows: slice) -> SamplerState:
+    def state_rows(self, rows: slice | torch.Tensor) -> SamplerState:
         return SamplerState(*(t[rows] for t in self.state))
 
     def decoding(self, row: int) -> bool:
@@ -173,9 +187,20 @@ class Engine:
     def batch_size(self, rows: list[int]) -> int:
         return next(n for n in self.batch_sizes if n > max(rows))
 
-    def window(self, position: int) -> torch.Tensor:
-        """The steps' window (decode.attention_window) for a step whose rows write up to position."""
-        return attention_window(position, self.horizon + 1, self.device)
+    def windows(self, n: int, ahead: int = 0) -> tuple[torch.Tensor, ...]:
+        """The windows (decode.attention_windows) of a step of rows 0..n-1, each group's covering its decoding rows'
+        next positions (len(cached)) and ahead more."""
+        groups = window_groups(n, self.device)
+        size = n // groups
+        ends = [
+            max((len(self.cached[i]) for i in range(g * size, (g + 1) * size) if self.decoding(i)), default=0) + ahead
+            for g in range(groups)
+        ]
+        return attention_windows(ends, self.horizon + 1, self.device)
+
+    def expected_end(self, c: Choice) -> int:
+        """The most positions a choice's slot may come to hold (regroup)."""
+        return min(len(c.ids) + c.max_tokens, self.horizon)
 
     def submit(self, choices: list[Choice]):
         """Queues a request's choices, all or none: queue.Full when the queue has no room for them all."""
@@ -212,12 +237,14 @@ class Engine:
 
     def admit(self):
         """Takes waiting choices into free slots in arrival order (blocking while the engine has nothing to do):
-        each into the slot slot_for picks, whose tokens the prompt does not share are set aside first."""
+        each into the slot slot_for picks, whose tokens the prompt does not share are set aside first; then
+        regroups the rows."""
+        admitted = False
         while None in self.slots:
             try:
                 choice = self.waiting.get(block=not self.busy_slots())
             except queue.Empty:
-                return
+                break
             if choice.cancelled:
                 continue
             row = self.slot_for(choice)
@@ -227,6 +254,9 @@ class Engine:
             self.slots[row], self.cached[row], choice.reused = choice, choice.ids[:kept], kept
             self.draft_cached[row] = min(self.draft_cached[row], kept)
             self.prefilling.append(row)
+            admitted = True
+        if admitted:
+            self.regroup()
 
     def slot_for(self, choice: Choice) -> int:
         """The free slot a choice takes: the one that keeps the decode steps' batch smallest (a step runs rows
@@ -239,6 +269,43 @@ class Engine:
             return -self.batch_size(busy + [i]), cached_prefix(self.cached[i], choice.ids), -len(self.cached[i]), -i
 
         return max((i for i, c in enumerate(self.slots) if c is None), key=preference)
+
+    def regroup(self):
+        """Swaps rows of the decode steps' batch between its groups of rows (decode.window_groups), the swap that
+        shortens the groups' windows most first, as far as the rows' choices may reach: long prompts that came
+        at different times end up in one group, whose window the others no longer read."""
+        n = self.batch_size(self.busy_slots())
+        size = n // window_groups(n, self.device)
+        ends = [0 if c is None else self.expected_end(c) for c in self.slots[:n]]
+
+        def reach(ends):
+            return sum(max(ends[g : g + size]) for g in range(0, n, size))
+
+        def swapped(a, b):
+            after = list(ends)
+            after[a], after[b] = after[b], after[a]
+            return after
+
+        pairs = [(a, b) for a in range(n) for b in range(a // size * size + size, n)]  # rows of two groups
+        while pairs:
+            a, b = min(pairs, key=lambda pair: reach(swapped(*pair)))
+            if reach(swapped(a, b)) >= reach(ends):
+                return
+            self.swap_rows(a, b)
+            ends = swapped(a, b)
+
+    def swap_rows(self, a: int, b: int):
+        """Rows a and b exchange what they hold: their choices, the keys and values of their tokens (the draft's
+        too), their sampling state and their next tokens."""
+        self.model.swap_rows(a, b, max(len(self.cached[a]), len(self.cached[b])))
+        if self.draft is not None:
+            self.draft.swap_rows(a, b, max(self.draft_cached[a], self.draft_cached[b]))
+        for per_row in (self.slots, self.cached, self.draft_cached, self.last):
+            per_row[a], per_row[b] = per_row[b], per_row[a]
+        for t in (*self.state, self.tokens):
+            t[[a, b]] = t[[b, a]]
+        self.prefilling = [b if r == a else a if r == b else r for r in self.prefilling]
+        self.counts["swapped_rows"] += 2
 
     def set_aside(self, row: int, kept: int):
         """Before row is overwritten beyond its first kept tokens: copies what it holds into the free slot holding
@@ -258,8 +325,8 @@ class Engine:
 
     def prefill_chunk_of_prompts(self):
         """Prefills up to prefill_chunk prompt tokens of the prefilling rows, oldest first (a prompt scored whole,
-        in one piece); a row first copies what another slot holds of its prompt. Pieces of consecutive rows go
-        in one call."""
+        in one piece); a row first copies what another slot holds of its prompt. Pieces of several rows go in one
+        call (prefill_groups)."""
         budget, pieces = self.prefill_chunk, []
         for row in list(self.prefilling):
             c = self.slots[row]
@@ -292,21 +359,23 @@ class Engine:
                         self.finish(row, error=str(e))
 
     def prefill_groups(self, pieces: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        """Pieces (row, end) in the calls that prefill them: runs of consecutive rows together, as long as each
-        row's piece, right-padded to the longest, stays within the cache and the padding is no more than the
-        pieces (short pieces gain from sharing a pass over the weights; long ones would mostly compute padding);
-        a prompt scored whole alone."""
+        """Pieces (row, end) in the calls that prefill them: pieces of rows holding about as many tokens (within
+        a prefill chunk of each other: they attend to about as many) together, as long as each row's piece,
+        right-padded to the longest, stays within the cache and the padding is no more than a quarter of the
+        pieces or PREFILL_PADDING positions (short pieces gain from sharing a pass over the weights, but padding
+        costs what tokens cost); a prompt scored whole alone."""
         groups = []
-        for row, end in sorted(pieces):
+        for row, end in sorted(pieces, key=lambda piece: (len(self.cached[piece[0]]), piece[1])):
             group = groups[-1] if groups else []
             joined = group + [(row, end)]
-            lengths = [e - len(self.cached[r]) for r, e in joined]
+            starts = [len(self.cached[r]) for r, _ in joined]
+            lengths = [e - start for (_, e), start in zip(joined, starts)]
             if (
                 group
-                and group[-1][0] == row - 1
                 and not any(self.slots[r].score_prompt for r, _ in joined)
-                and all(len(self.cached[r]) + max(lengths) <= self.horizon + 1 for r, _ in joined)
-                and len(joined) * max(lengths) <= 2 * sum(lengths)
+                and max(starts) - min(starts) <= self.prefill_chunk
+                and max(starts) + max(lengths) <= self.horizon + 1
+                and len(joined) * max(lengths) - sum(lengths) <= max(sum(lengths) // 4, PREFILL_PADDING)
             ):
                 group.append((row, end))
             else:
@@ -346,9 +415,9 @@ class Engine:
         return any(cached_prefix(self.slots[i].ids, ids) > held for i in older)
 
     def prefill(self, group: list[tuple[int, int]]):
-        """Prefills each row's prompt tokens from those it holds up to its end, for consecutive rows in one call
-        (each row's piece right-padded to the longest: the padding writes past what the row holds, where nothing
-        is read before it is written again); a row whose prompt ends there gets its first token."""
+        """Prefills each row's prompt tokens from those it holds up to its end, for several rows in one call (each
+        row's piece right-padded to the longest: the padding writes past what the row holds, where nothing is read
+        before it is written again); a row whose prompt ends there gets its first token."""
         rows, ends = [r for r, _ in group], [e for _, e in group]
         choices, starts = [self.slots[r] for r in rows], [len(self.cached[r]) for r in rows]
         n, width, finals = len(rows), max(e - s for s, e in zip(starts, ends)), []
@@ -364,17 +433,18 @@ class Engine:
         greedy = all(c.params.greedy for c in final)
         n_logprobs = max((c.top_logprobs for c in final if c.top_logprobs is not None), default=None)
         last = None if n == 1 else torch.tensor([e - s - 1 for s, e in zip(starts, ends)], device=self.device)
-        args = (self.model, x, positions, self.no_pad[:n], self.state_rows(slice(rows[0], rows[0] + n)), greedy)
+        cache_rows = torch.tensor(rows, device=self.device)
+        args = (self.model, x, positions, self.no_pad[:n], self.state_rows(cache_rows), greedy)
         prompt = None
         if choices[0].score_prompt:  # alone, whole
             c = choices[0]
             token, logprobs, scored = prefill_and_score(
-                *args, c.top_logprobs, c.top_logprobs, first_row=rows[0], kv_length=ends[0]
+                *args, c.top_logprobs, c.top_logprobs, cache_rows=cache_rows, kv_length=ends[0]
             )
             prompt = [TokenLogprobs(c.ids[0], None, None)] + step_logprobs(tuple(t[0] for t in scored), c.ids[1:])
         else:
             kv_length = max(starts) + width
-            token, logprobs = prefill(*args, n_logprobs, first_row=rows[0], kv_length=kv_length, last=last)
+            token, logprobs = prefill(*args, n_logprobs, cache_rows=cache_rows, kv_length=kv_length, last=last)
         host = token[:, 0].tolist()
         logprobs = None if logprobs is None else step_logprobs(logprobs, host)
         for i, (row, c, start, end) in enumerate(zip(rows, choices, starts, ends)):
@@ -385,7 +455,7 @@ class Engine:
                     torch.arange(since, end, device=self.device),
                     self.no_pad[:1],
                     last_only=True,
-                    first_row=row,
+                    cache_rows=cache_rows[i : i + 1],
                     kv_length=end,
                 )
                 self.draft_cached[row] = end
@@ -428,10 +498,11 @@ class Engine:
         self.refill_noise(rows)
         greedy = all(self.slots[i].params.greedy for i in rows)
         n_logprobs = MAX_TOP_LOGPROBS if any(self.slots[i].top_logprobs is not None for i in rows) else None
-        window = self.window(max(len(self.cached[i]) for i in rows))  # a row feeds position len(cached)
-        token, logprobs = self.decode_step(n, state, positions, greedy, n_logprobs, window)
+        windows = self.windows(n)
+        token, logprobs = self.decode_step(n, state, positions, greedy, n_logprobs, windows)
         if self.draft is not None:  # keeps up: a speculative round expects it to lack one position at most
-            self.draft(*self.draft_inputs(n, positions), self.no_pad[:n], last_only=True, kv_length=window.shape[0])
+            inputs = self.draft_inputs(n, positions)
+            self.draft(*inputs, self.no_pad[:n], last_only=True, kv_length=kv_length(windows))
         self.tokens[:n] = token  # a copy: CUDA graphs reuse token's buffer on the next call
         host = token[:, 0].tolist()  # the step's one sync
         logprobs = None if logprobs is None else step_logprobs(logprobs, host)
@@ -476,8 +547,8 @@ class Engine:
         n = self.batch_size(rows)
         state = self.state_rows(slice(0, n))
         greedy = all(self.slots[i].params.greedy for i in rows)
-        window = self.window(max(len(self.cached[i]) for i in rows) + self.k)
-        drafted, p, q = self.draft_and_verify(n, rows, state, self.positions(n), greedy, window)
+        windows = self.windows(n, ahead=self.k)
+        drafted, p, q = self.draft_and_verify(n, rows, state, self.positions(n), greedy, windows)
         uniforms = torch.zeros(n, self.k, device=self.device)  # a greedy row keeps a draft where q (one-hot) agrees
         for i in rows:
             if not self.slots[i].params.greedy:

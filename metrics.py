@@ -26,11 +26,12 @@ class Metrics:
 
 
 ENGINE_COUNTS = {
-    "prefill_chunks": "Prefill calls, each taking a chunk of the prompts of consecutive slots.",
+    "prefill_chunks": "Prefill calls, each taking a chunk of the prompts of one or more slots.",
     "prefilled_tokens": "Prompt tokens prefilled.",
     "copied_prompt_tokens": "Prompt tokens whose keys and values were copied from another slot.",
     "set_aside_tokens": "Tokens whose keys and values moved to a free slot before a request took theirs.",
     "decode_steps": "Decode steps (speculative rounds with a draft) of the busy slots.",
+    "swapped_rows": "Slots whose request moved to another slot, so that long prompts share a group of rows.",
 }
 
 

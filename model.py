@@ -32,22 +32,29 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, first_row: int = 0) -> tuple[Tensor, Tensor]:
-        # k, v: [B, H_kv, S, D] written into cache rows first_row.. at positions input_pos, [S] for every row or
-        # [B, S] per row (a server's slots, each at its own length); returns those rows' whole caches
-        rows = slice(first_row, first_row + k.shape[0])
-        if input_pos.dim() == 1:
-            self.k_cache[rows, :, input_pos] = k
-            self.v_cache[rows, :, input_pos] = v
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, cache_rows: Tensor | None = None):
+        # k, v: [B, H_kv, S, D] written at positions input_pos, [S] for every row or [B, S] per row (a server's
+        # slots, each at its own length), into cache rows 0..B-1 or the cache rows listed in cache_rows [B]
+        if cache_rows is None and input_pos.dim() == 1:
+            self.k_cache[: k.shape[0], :, input_pos] = k
+            self.v_cache[: k.shape[0], :, input_pos] = v
         else:
-            row_index = torch.arange(rows.start, rows.stop, device=k.device)[:, None]  # [B, 1] beside input_pos [B, S]
-            self.k_cache[row_index, :, input_pos] = k.transpose(1, 2)
-            self.v_cache[row_index, :, input_pos] = v.transpose(1, 2)
-        return self.k_cache[rows], self.v_cache[rows]
+            rows = torch.arange(k.shape[0], device=k.device) if cache_rows is None else cache_rows
+            self.k_cache[rows[:, None], :, input_pos] = k.transpose(1, 2)  # [B, S] beside [B, 1]
+            self.v_cache[rows[:, None], :, input_pos] = v.transpose(1, 2)
+
+    def read(self, rows: slice | Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """The keys and values of some cache rows (a slice of them, or a tensor listing them) at positions
+        0..length-1, [rows, H_kv, length, D]: views of the cache, or for listed rows copies of those positions."""
+        return self.k_cache[rows, :, :length], self.v_cache[rows, :, :length]
 
     def copy_positions(self, source: int, row: int, start: int, end: int):
         self.k_cache[row, :, start:end] = self.k_cache[source, :, start:end]
         self.v_cache[row, :, start:end] = self.v_cache[source, :, start:end]
+
+    def swap_rows(self, a: int, b: int, end: int):
+        for cache in (self.k_cache, self.v_cache):
+            cache[[a, b], :, :end] = cache[[b, a], :, :end]
 
 
 class Transformer(nn.Module):
@@ -107,34 +114,37 @@ class Transformer(nn.Module):
         input_pos: Tensor,
         left_pad: Tensor | None = None,
         last_only: bool = False,
-        first_row: int = 0,
-        kv_length: int | None = None,
+        cache_rows: Tensor | None = None,
+        kv_length: int | tuple[int, ...] | None = None,
         fused_rows: int = 1,
     ) -> Tensor:
         # idx: [B, S] token ids in cache slots input_pos, [S] for every row or [B, S] per row; returns logits
         # [B, S, vocab] in float32. left_pad [B]: row b's first left_pad[b] slots hold padding; its real tokens
-        # start at position 0. first_row: the rows use cache rows first_row.. (a server prefills one request
-        # into its own row while the others keep theirs).
+        # start at position 0. cache_rows [B]: the cache row each row uses (None: rows 0..B-1); a server prefills
+        # requests into their own slots while the others keep theirs.
         # last_only: logits [B, 1, vocab] of the last position alone, which is all a prefill samples from
         # (the output projection over every prompt position is a large share of a short prefill).
         # kv_length: attend to the first kv_length cache slots only (None: all), which must hold every position
         # the queries see: a server's rows reach far less than its cache's length, and reading the rest of the
-        # cache each step can cost more than reading the weights.
+        # cache each step can cost more than reading the weights. A tuple: one length per group of consecutive
+        # rows (the batch split in equal groups), each group attending to its own: a server's long prompts, in
+        # rows of their own, no longer make every row read as far as they do.
         # fused_rows: the most rows a linear layer computes as a fused product on a CPU (kernels.linear), which only
         # a compiled step makes one pass over the weights: compile_steps passes more than 1 to its compiled steps.
         assert self.max_seq_length > 0, "call setup_caches() first"
         bsz = idx.shape[0]
-        if first_row + bsz > self.max_batch_size:
-            raise ValueError(
-                f"batch of {bsz} rows from cache row {first_row} is larger than the cache, "
-                f"set up for {self.max_batch_size}"
-            )
-        if kv_length is not None:  # tells the compiler too, so that slicing the cache to it keeps it symbolic
-            torch._check(kv_length <= self.max_seq_length)
-        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, kv_length)
+        if cache_rows is None and bsz > self.max_batch_size:
+            raise ValueError(f"batch of {bsz} rows is larger than the cache, set up for {self.max_batch_size}")
+        lengths = kv_length if isinstance(kv_length, tuple) else (kv_length,)
+        if bsz % len(lengths):
+            raise ValueError(f"a batch of {bsz} rows does not split into {len(lengths)} equal groups")
+        for length in lengths:  # tells the compiler too, so that slicing the cache to it keeps it symbolic
+            if length is not None:
+                torch._check(length <= self.max_seq_length)
+        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, lengths)
         x = self.embed(idx, positions)
         for layer in self.layers:
-            x = layer(x, input_pos, *inputs[layer.attention.kind], first_row, fused_rows)
+            x = layer(x, input_pos, *inputs[layer.attention.kind], cache_rows, fused_rows)
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             rows = fused_rows if self.kernels.float_matvec == "fused" else 0
@@ -150,6 +160,11 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache.copy_positions(source, row, start, end)
 
+    def swap_rows(self, a: int, b: int, end: int):
+        """Cache rows a and b exchange their keys and values at positions 0..end-1 (a server's slots moving)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.swap_rows(a, b, end)
+
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         """The first layer's input: token embeddings (plus learned position embeddings), [B, S, dim]."""
         x = self.tok_embeddings(idx)
@@ -160,34 +175,41 @@ class Transformer(nn.Module):
         return x
 
     def attention_inputs(
-        self, input_pos: Tensor, left_pad: Tensor | None, bsz: int, kv_length: int | None = None
+        self, input_pos: Tensor, left_pad: Tensor | None, bsz: int, kv_lengths: tuple[int | None, ...] = (None,)
     ) -> tuple[Tensor, dict]:
         """Each row's positions [B, S] (0 at its first real token), and for each kind of layer its rotary
-        angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention mask [B, 1, S, kv_length]."""
+        angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention masks: one per group of
+        consecutive rows (the batch split in len(kv_lengths) equal groups), [B / groups, 1, S, kv_length]."""
         if left_pad is None:
             left_pad = torch.zeros(bsz, dtype=torch.long, device=input_pos.device)
-        slots = torch.arange(self.max_seq_length if kv_length is None else kv_length, device=input_pos.device)
-        # A query in slot p sees slots pad..p of its row (a sliding layer: the last sliding_window of them);
-        # later slots hold stale or zero entries. A padding query sees only itself, so that no softmax row is
-        # empty (its output is never used).
-        causal = input_pos[..., None] >= slots  # [S, max_seq] or [B, S, max_seq]
-        not_padding = slots >= left_pad[:, None]  # [B, max_seq]
-        itself = input_pos[..., None] == slots
         positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
+        group = bsz // len(kv_lengths)
         inputs = {}
         for kind in set(self.config.layer_types):
-            seen = (
-                causal
-                if kind == "full_attention"
-                else causal & (input_pos[..., None] - slots < self.config.sliding_window)
+            masks = tuple(
+                self.attention_mask(kind, input_pos, left_pad, slice(g * group, (g + 1) * group), length)
+                for g, length in enumerate(kv_lengths)
             )
-            mask = (seen & not_padding[:, None, :]) | itself  # [B, S, max_seq]
             freqs = None
             if self.config.position_embedding == "rope":
                 local = kind == "sliding_attention" and self.config.rope_local_base is not None
                 freqs = (self.local_freqs_cis if local else self.freqs_cis)[positions]
-            inputs[kind] = (freqs, mask[:, None])
+            inputs[kind] = (freqs, masks)
         return positions, inputs
+
+    def attention_mask(self, kind: str, input_pos: Tensor, left_pad: Tensor, rows: slice, kv_length: int | None):
+        """Which cache slots (the first kv_length) the queries of some rows see, [rows, 1, S, kv_length]."""
+        slots = torch.arange(self.max_seq_length if kv_length is None else kv_length, device=input_pos.device)
+        at = input_pos if input_pos.dim() == 1 else input_pos[rows]  # [S] or [rows, S]
+        # A query in slot p sees slots pad..p of its row (a sliding layer: the last sliding_window of them);
+        # later slots hold stale or zero entries. A padding query sees only itself, so that no softmax row is
+        # empty (its output is never used).
+        seen = at[..., None] >= slots  # [S, kv_length] or [rows, S, kv_length]
+        if kind == "sliding_attention":
+            seen = seen & (at[..., None] - slots < self.config.sliding_window)
+        not_padding = slots >= left_pad[rows, None]  # [rows, kv_length]
+        mask = (seen & not_padding[:, None, :]) | (at[..., None] == slots)
+        return mask[:, None]
 
 
 class TransformerBlock(nn.Module):
@@ -205,9 +227,15 @@ class TransformerBlock(nn.Module):
     # not n_layer of them, for the same decode speed.
     @torch.compiler.nested_compile_region
     def forward(
-        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row=0, fused_rows=1
+        self,
+        x: Tensor,
+        input_pos: Tensor,
+        freqs_cis: Tensor | None,
+        masks: tuple[Tensor, ...],
+        cache_rows=None,
+        fused_rows=1,
     ) -> Tensor:
-        h = self.attention(self.attention_norm(x), input_pos, freqs_cis, mask, first_row, fused_rows)
+        h = self.attention(self.attention_norm(x), input_pos, freqs_cis, masks, cache_rows, fused_rows)
         h = x + self.post_attention_norm(h)
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h), fused_rows))
 
@@ -230,8 +258,16 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def forward(
-        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, mask: Tensor, first_row=0, fused_rows=1
+        self,
+        x: Tensor,
+        input_pos: Tensor,
+        freqs_cis: Tensor | None,
+        masks: tuple[Tensor, ...],
+        cache_rows=None,
+        fused_rows=1,
     ) -> Tensor:
+        # masks: one per group of consecutive rows (Transformer.attention_inputs), each as long as the cache slots
+        # its rows attend to
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x, fused_rows).split([q_size, kv_size, kv_size], dim=-1)
@@ -241,20 +277,27 @@ class Attention(nn.Module):
         if freqs_cis is not None:
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
-        k, v = self.kv_cache.update(input_pos, k, v, first_row)  # [B, H_kv, max_seq, D]
-        k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]  # the slots the mask covers (kv_length)
+        self.kv_cache.update(input_pos, k, v, cache_rows)
+        group, ys = bsz // len(masks), []
+        for g, mask in enumerate(masks):
+            rows = slice(g * group, (g + 1) * group)
+            k_rows, v_rows = self.kv_cache.read(rows if cache_rows is None else cache_rows[rows], mask.shape[-1])
+            ys.append(self.attend(q[rows], k_rows, v_rows, mask, fused_rows))
+        y = torch.cat(ys)
+        y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
+        return self.wo(y, fused_rows)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fused_rows: int) -> Tensor:
+        # q [B, H, S, D], k and v [B, H_kv, T, D] (the slots the mask covers), mask [B, 1, S, T] -> [B, H, S, D].
         # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel has a fixed cost per call that
         # exceeds one query's work); so does soft-capping, which SDPA cannot do. A few queries' products with the
         # cache fuse too where the linear layers' do (a batched matmul is a library call per layer).
-        if seqlen == 1 or self.logit_softcap is not None:
-            fused = self.kernels.float_matvec == "fused" and fuses(x[0], fused_rows)
-            y = grouped_attention(q, k, v, mask, self.scale, self.logit_softcap, fused)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_head != self.n_kv_heads
-            )
-        y = y.transpose(1, 2).reshape(bsz, seqlen, q_size)
-        return self.wo(y, fused_rows)
+        if q.shape[2] == 1 or self.logit_softcap is not None:
+            fused = self.kernels.float_matvec == "fused" and fuses(q[0, 0], fused_rows)
+            return grouped_attention(q, k, v, mask, self.scale, self.logit_softcap, fused)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_head != self.n_kv_heads
+        )
 
 
 def grouped_attention(

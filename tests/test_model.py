@@ -89,6 +89,28 @@ def test_matches_transformers(tmp_path, tiny_tokenizer_json, name, device):
     assert len(set(ours)) >= 4, "degenerate output makes the comparison weak"
 
 
+def test_groups_of_rows_attend_to_windows_of_their_own(tiny_checkpoint, device):
+    """A step whose rows attend in two groups, each to a window of its own (a server's short rows beside rows
+    holding long prompts), gives every row the logits it gets attending to the whole cache; a group that took the
+    other's shorter window would miss most of its rows' positions."""
+    model = load_model(tiny_checkpoint / "model.pth", device)
+    model.setup_caches(4, 64)
+    torch.manual_seed(2)
+    lengths = [5, 9, 40, 50]  # rows 0 and 1 in one group, rows 2 and 3 in the other
+    with torch.no_grad():
+        for row, length in enumerate(lengths):
+            tokens = torch.randint(3, model.config.vocab_size, (1, length), device=device)
+            model(tokens, torch.arange(length, device=device), cache_rows=torch.tensor([row], device=device))
+        x = torch.randint(3, model.config.vocab_size, (4, 1), device=device)
+        positions = torch.tensor(lengths, device=device)[:, None]
+        whole = model(x, positions)
+        grouped = model(x, positions, kv_length=(10, 51))
+        assert (grouped - whole).abs().max() < TOLERANCE
+        assert (model(x, positions, kv_length=(51, 10)) - whole)[2:].abs().max() > 100 * TOLERANCE
+        with pytest.raises(ValueError, match="equal groups"):
+            model(x, positions, kv_length=(10, 20, 51))
+
+
 def test_qwen2_biases(tmp_path, tiny_tokenizer_json):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

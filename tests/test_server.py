@@ -1,6 +1,7 @@
 """server.py: the OpenAI API through the official client, continuous batching, disconnects, bad input, the chat page."""
 
 import contextlib
+import itertools
 import json
 import queue
 import random
@@ -902,15 +903,15 @@ def test_disconnect_frees_the_slot_and_a_full_queue_answers_429(tmp_path):
 def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
     """The engine in-process, compiled: warm_up compiles the graphs of its few batch sizes (powers of two, greedy
     and sampled), and then requests of different lengths coming and going, greedy and sampled, over windows of
-    the cache of every length, with grammars or without, compile nothing; each greedy request's text is its greedy
-    text alone."""
+    the cache of every length (from 8 rows, one for each group of 4 rows), with grammars or without, compile
+    nothing; each greedy request's text is its greedy text alone."""
     model = load_model(tiny_checkpoint / "model.pth")
     tokenizer = load_tokenizer(tiny_checkpoint)
-    engine = Engine(model, tokenizer, 4, 256, compile_steps(torch.device("cpu")), max_queue=8)
+    engine = Engine(model, tokenizer, 8, 256, compile_steps(torch.device("cpu")), max_queue=8)
     counters = torch._dynamo.utils.counters
     counters.clear()
     engine.warm_up()
-    assert counters["stats"]["unique_graphs"] == 2 * len([1, 2, 4]) and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2 * len([1, 2, 4, 8]) and not counters["graph_break"]
     counters.clear()
     engine.thread.start()
 
@@ -1011,6 +1012,51 @@ def test_a_long_prompt_enters_in_chunks_between_decode_steps_of_a_running_stream
         assert any(step[0] == "decode" and streaming_row in step[1] for step in log[a + 1 : b]), log[a : b + 1]
     alone = load_model(long_checkpoint / "model.pth")
     for c in (running, long):
+        assert c.tokens == Stream(alone, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]
+
+
+def test_long_prompts_gather_in_one_group_of_rows_with_a_window_of_its_own(long_checkpoint):
+    """Eight slots attend in two groups of four (decode.window_groups). Of eight requests arriving together, the
+    first and the fifth carry 300-token prompts: rows swap slots so that both are in one group, and all prefill in
+    arrival order. A third 300-token prompt, coming later into the slot a short request of the other group left,
+    joins them there, swapping with a running stream. The other group's steps attend to a window of its short
+    rows' length, and every answer (but the one left) equals the answer alone."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(5)
+    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 8, 2048, Steps(), 8, prefill_chunk=32)
+    lengths = [300, 10, 10, 10, 300, 10, 10, 10]
+    choices = [greedy_choice(i, random_ids(rng, n), 40) for i, n in enumerate(lengths)]
+    engine.submit(choices)
+    first_turn = {}  # row: the loop's turn that prefilled its first chunk
+    for turn in itertools.count():
+        taken = len(engine.steps_taken)
+        engine.step()
+        if turn == 0:
+            rows = [next(r for r, c in enumerate(engine.slots) if c is choice) for choice in choices]
+        for step in list(engine.steps_taken)[taken:]:
+            if step[0] == "prefill":
+                first_turn.setdefault(step[1], turn)
+        if not engine.prefilling:
+            break
+    assert rows[0] // 4 == rows[4] // 4 and sorted(rows) == list(range(8))
+    turns = [first_turn[r] for r in rows]
+    assert turns == sorted(turns) and turns[0] < turns[1] < turns[4], "prefilled in arrival order"
+    left = next(c for c, r in zip(choices, rows) if r // 4 != rows[0] // 4)
+    left.cancelled = True  # its client went away
+    while holds(engine, left):
+        engine.step()
+    later = greedy_choice(8, random_ids(rng, 300), 10)
+    engine.submit([later])
+    while engine.prefilling or not later.tokens:
+        engine.step()
+    long_rows = [next(r for r, c in enumerate(engine.slots) if c is choice) for choice in choices[0:5:4] + [later]]
+    assert len({r // 4 for r in long_rows}) == 1 and engine.counts["swapped_rows"] == 4, long_rows
+    windows = [w.shape[0] for w in engine.windows(8)]
+    long_window, short_window = windows if long_rows[0] < 4 else windows[::-1]
+    assert long_window > 300 and short_window <= 64
+    run_steps(engine, choices + [later])
+    alone = load_model(long_checkpoint / "model.pth")
+    for c in [c for c in choices if c is not left] + [later]:
         assert c.tokens == Stream(alone, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]
 
 
