@@ -144,7 +144,8 @@ class Transformer(nn.Module):
         positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, lengths)
         x = self.embed(idx, positions)
         for layer in self.layers:
-            x = layer(x, input_pos, *inputs[layer.attention.kind], cache_rows, fused_rows)
+            freqs_cis, masks = inputs[layer.attention.kind]
+            x = layer(x, input_pos, freqs_cis, cache_rows, fused_rows, *masks)
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             rows = fused_rows if self.kernels.float_matvec == "fused" else 0
@@ -224,16 +225,11 @@ class TransformerBlock(nn.Module):
 
     # Under torch.compile one layer's code is traced and compiled once and reused for every layer with the same
     # inputs' shapes and attributes (regional compilation; eagerly a no-op): a compile costs about one layer's,
-    # not n_layer of them, for the same decode speed.
+    # not n_layer of them, for the same decode speed. The masks (one per group of rows) come as separate arguments:
+    # Dynamo checks whether a tuple argument lets it reuse the layer's code far more slowly.
     @torch.compiler.nested_compile_region
     def forward(
-        self,
-        x: Tensor,
-        input_pos: Tensor,
-        freqs_cis: Tensor | None,
-        masks: tuple[Tensor, ...],
-        cache_rows=None,
-        fused_rows=1,
+        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, cache_rows, fused_rows, *masks: Tensor
     ) -> Tensor:
         h = self.attention(self.attention_norm(x), input_pos, freqs_cis, masks, cache_rows, fused_rows)
         h = x + self.post_attention_norm(h)

@@ -217,7 +217,7 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
 
     def run(layer, x):  # the layer on a batch of len(x) rows
         freqs_cis, (mask,) = inputs[layer.attention.kind]
-        return layer(x, input_pos, None if freqs_cis is None else freqs_cis[: len(x)], (mask[: len(x)],))
+        return layer(x, input_pos, None if freqs_cis is None else freqs_cis[: len(x)], None, 1, mask[: len(x)])
 
     results = {}
     for index, layer in enumerate(tqdm(model.layers, desc="GPTQ", unit="layer")):
