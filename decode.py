@@ -43,6 +43,7 @@ VECTOR_STEP = 16
 # compiled graph serves every combination of lengths): rows holding long prompts then make only their group read as
 # far as they do. On CUDA, where a graph is recorded per combination, all rows take one window.
 WINDOW_GROUP_ROWS = {"cpu": 4}
+Window = Tensor | tuple[Tensor, ...]  # a step's window (attention_window), or one per group of rows
 
 
 def prefill(
@@ -108,7 +109,7 @@ def window_of(length: int, device: torch.device, group: int = 0) -> Tensor:
     return window
 
 
-def kv_length(window: Tensor | tuple[Tensor, ...] | None) -> int | tuple[int, ...] | None:
+def kv_length(window: Window | None) -> int | tuple[int, ...] | None:
     """The model's kv_length that a step's window tensor (or tensors, one per group of rows) stands for (None: the
     whole cache)."""
     if isinstance(window, tuple):
@@ -116,17 +117,7 @@ def kv_length(window: Tensor | tuple[Tensor, ...] | None) -> int | tuple[int, ..
     return None if window is None else window.shape[0]
 
 
-def decode_one_token(
-    model,
-    x,
-    input_pos,
-    left_pad,
-    s,
-    greedy,
-    n_logprobs,
-    window: Tensor | tuple[Tensor, ...] | None = None,
-    fused_rows=1,
-):
+def decode_one_token(model, x, input_pos, left_pad, s, greedy, n_logprobs, window: Window | None = None, fused_rows=1):
     # The arguments as prefill's. x: [B, 1] in slots input_pos ([1], or [B, 1] per row) -> next token [B, 1] (and
     # its log-probs). window: a tensor whose length is the model's kv_length (None: the whole cache), or one per
     # group of rows; marked dynamic (torch._dynamo.mark_dynamic), one compiled graph serves every length, which a
@@ -137,13 +128,7 @@ def decode_one_token(
 
 
 def draft_step(
-    draft,
-    x: Tensor,
-    input_pos: Tensor,
-    s: SamplerState,
-    greedy: bool,
-    window: Tensor | tuple[Tensor, ...] | None = None,
-    fused_rows=1,
+    draft, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Window | None = None, fused_rows=1
 ):
     # x: [B, S] in slots input_pos ([S], or [B, S] per row) -> a token drafted after the last [B, 1] and the
     # distribution p it was drawn from [B, V]. window: as decode_one_token's.
@@ -153,13 +138,7 @@ def draft_step(
 
 
 def verify_step(
-    model,
-    x: Tensor,
-    input_pos: Tensor,
-    s: SamplerState,
-    greedy: bool,
-    window: Tensor | tuple[Tensor, ...] | None = None,
-    fused_rows=1,
+    model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Window | None = None, fused_rows=1
 ) -> Tensor:
     # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
     # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
@@ -314,7 +293,7 @@ def draft_and_verify(
     s_draft: SamplerState,
     greedy: bool,
     refill_noise: Callable[[], None],
-    window: Tensor | tuple[Tensor, ...] | None = None,
+    window: Window | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The model work of a speculative round, for rows at their current tokens [B, 1]: the draft reads draft_input
     (tokens [B, S] and their positions, the last S being the current tokens' positions [B, 1] or [1]) and drafts k
