@@ -25,7 +25,7 @@ HONOURED = set(
     "model messages prompt max_tokens max_completion_tokens temperature top_p n stop seed presence_penalty "
     "frequency_penalty logprobs top_logprobs echo stream stream_options top_k min_p repetition_penalty "
     "response_format guided_json guided_regex guided_choice guided_grammar tools tool_choice parallel_tool_calls "
-    "chat_template_kwargs ignore_eos".split()
+    "chat_template_kwargs ignore_eos prediction".split()
 )
 CONSTRAINTS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # OpenAI's, vLLM's
 # Fields this server cannot honour, with the values that ask for nothing: any other value is refused with a 400.
@@ -37,7 +37,6 @@ UNSUPPORTED = {
     "best_of": (None, 1),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "prediction": (None,),
     "web_search_options": (None,),
 }
 # Fields accepted with no effect: the OpenAI platform's bookkeeping and settings of its own models.
@@ -356,6 +355,7 @@ class Job:
     tools: ToolUse | None  # chat: the tools the model may call
     in_reasoning: bool  # chat: the prompt opened <think>, so the reply starts inside it
     ignore_eos: bool = False  # EOS does not end a choice (vLLM's and llama.cpp's extension)
+    prediction: list[int] | None = None  # OpenAI's predicted output, as tokens: what prompt lookup drafts from
 
     @property
     def score_prompt(self) -> bool:
@@ -419,7 +419,19 @@ def parse_job(body, chat: bool, model_name: str, engine: Engine) -> Job:
         tools,
         in_reasoning,
         flag(body, "ignore_eos", False),
+        prediction_tokens(body, engine.tokenizer),
     )
+
+
+def prediction_tokens(body: dict, tokenizer: Tokenizer) -> list[int] | None:
+    """OpenAI's prediction, {"type": "content", "content": text or text parts}: the output expected, as tokens. A
+    server with prompt lookup (--ngram) drafts from it; the answer is the same with or without it."""
+    prediction = body.get("prediction")
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or "content" not in prediction:
+        raise ApiError('prediction must be {"type": "content", "content": ...}', "prediction")
+    return encode_text(tokenizer, message_text(prediction["content"], "prediction.content"), "prediction", bos=False)
 
 
 def reply_length(body: dict, prompt_field: str, longest: int, context: int, least: int) -> int:

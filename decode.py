@@ -23,6 +23,7 @@ from sampling import (
     SETTINGS,
     SamplerState,
     SamplingParams,
+    apply_penalties,
     check_logprobs,
     record_token,
     refill_noise,
@@ -141,9 +142,14 @@ def verify_step(
     model, x: Tensor, input_pos: Tensor, s: SamplerState, greedy: bool, window: Window | None = None, fused_rows=1
 ) -> Tensor:
     # x: [B, k + 1], each row's current token and k drafted ones -> the target's distributions q after each
-    # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], to go with them.
+    # [B, k + 1, V]. Settings of [B, 1] (a server's rows) become [B, 1, 1], and what is per token [B, V] becomes
+    # [B, 1, V], to go with them. Penalties and a grammar's mask apply as in a decode step: exact at a row's first
+    # position, which is what a row without drafts takes (a server's row that speculation does not cover).
     per_position = s._replace(**{k: getattr(s, k)[..., None] for k in SETTINGS if getattr(s, k).dim()})
-    return step_probs(model(x, input_pos, kv_length=kv_length(window), fused_rows=fused_rows), per_position, greedy)
+    per_position = per_position._replace(**{k: getattr(s, k)[:, None] for k in ("seen", "counts", "allowed")})
+    logits = model(x, input_pos, kv_length=kv_length(window), fused_rows=fused_rows)
+    logits = apply_penalties(logits, per_position).masked_fill(~per_position.allowed, float("-inf"))
+    return step_probs(logits, per_position, greedy)
 
 
 class Steps(NamedTuple):
@@ -271,9 +277,10 @@ def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_
 
 
 def check_speculation(model, draft, params: SamplingParams, k: int):
+    """draft: the draft model, or None (prompt lookup)."""
     if k < 1:
         raise ValueError(f"speculate_k must be >= 1, got {k}")
-    if draft.config.vocab_size != model.config.vocab_size:
+    if draft is not None and draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})"
         )

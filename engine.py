@@ -9,14 +9,19 @@ that has its prompt in: a long prompt enters in chunks while the running streams
 it ends or its client goes away (a prefill stops at its next chunk). A slot keeps its tokens' keys and values after
 its request, and before a chunk a slot copies the longest prefix of its prompt that any slot holds, busy or not: the
 next turn of a conversation, a shared system prompt, the n choices of a request prefill only what is new (a slot
-waits while an older one prefills a longer prefix of its prompt than it could copy). With a draft model, each step
-is a round of speculative decoding for all decoding slots (decode.draft_and_verify; the acceptance rule of
-sampling.accept_drafts): while a slot's request is one the rule does not cover (penalties, log-probs, a grammar),
-the batch decodes one token per step instead. A choice with a grammar (grammar.py) has a matcher: after each of its
-tokens, the matcher's allowed tokens become its row's mask for the next step, which every row reads (all tokens
-allowed in a free row), so constrained and free rows share a step's graph.
+waits while an older one prefills a longer prefix of its prompt than it could copy). With speculation, each step is
+a round for all decoding slots, of one depth (drafted tokens per row; 0: a plain decode step) that
+speculate.choose_depth picks from the rows' acceptance and the round costs measured at warm-up: with a draft model
+(decode.draft_and_verify; while a slot's request is one the acceptance rule does not cover, penalties, log-probs or
+a grammar, the batch decodes one token per step instead), or by prompt lookup (--ngram: each row's drafts come
+from its prompt, its prediction and its output, speculate.NgramIndex; a row the rule does not cover, or with a
+shorter proposal, is padded and keeps no padding, and a step with a row wanting log-probs is a plain one). A choice
+with a grammar (grammar.py) has a matcher: after each of its tokens, the matcher's allowed tokens become its row's
+mask for the next step, which every row reads (all tokens allowed in a free row), so constrained and free rows
+share a step's graph.
 """
 
+import functools
 import logging
 import queue
 import threading
@@ -41,11 +46,21 @@ from decode import (
 from grammar import allowed_tokens
 from results import Speculation, TextPieces, TokenLogprobs, step_logprobs
 from sampling import SamplerState, SamplingParams, accept_drafts, record_token, row_sampler_state, set_row
+from speculate import (
+    Acceptance,
+    NgramIndex,
+    check_round_costs,
+    choose_depth,
+    depth_choices,
+    lookup_drafts,
+    measure_round_costs,
+)
 from tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (OpenAI's limit); a decode step computes this many for all rows
 STEP_LOG = 4096  # the latest steps Engine.steps_taken keeps
 PREFILL_PADDING = 32  # padded positions a prefill call may compute for nothing: fewer than a pass over the weights
+IDLE_WINDOW = 256  # the attention window of the steps warm_up runs and measure_round_costs times: a short chat's
 log = logging.getLogger("server")
 
 
@@ -63,8 +78,11 @@ class Choice:
     score_prompt: bool = False  # the prompt's tokens' log-probs too (a completion's echo), from a full prefill
     matcher: LLMatcher | None = None  # the grammar its output follows, if any
     ignore_eos: bool = False  # EOS does not end it: it ends at max_tokens, a stop string or its grammar's end
+    prediction: list[int] | None = None  # tokens the output is expected to hold (OpenAI's prediction): drafts
     generator: torch.Generator | None = None
     pieces: TextPieces | None = None
+    lookup: NgramIndex | None = None  # its prompt (after any prediction) and output, for prompt lookup's drafts
+    acceptance: Acceptance = field(default_factory=Acceptance)
     tokens: list[int] = field(default_factory=list)
     reused: int = 0  # prompt tokens whose keys and values a slot held already (not prefilled again)
     cancelled: bool = False
@@ -103,13 +121,21 @@ class Engine:
         speculate_k: int = 4,
         vocabulary: LLTokenizer | None = None,
         prefill_chunk: int = 256,
+        ngram: bool = False,
+        round_costs: dict[int, dict[int, float]] | None = None,
     ):
         self.model, self.tokenizer, self.steps, self.draft = model, tokenizer, steps, draft
         self.vocabulary = vocabulary  # the tokens as grammar.py's matchers read them (None: no structured output)
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (a prompt's more)
         self.device = model.tok_embeddings.weight.device
-        self.k = speculate_k if draft is not None else 0
-        self.speculation = Speculation(self.k) if draft is not None else None  # per slot and round
+        if draft is not None and ngram:
+            raise ValueError("speculative decoding drafts with a draft model or by prompt lookup (ngram), not both")
+        self.ngram = ngram
+        self.k = speculate_k if draft is not None or ngram else 0  # the most tokens a step drafts for a row
+        self.speculation = Speculation(self.k) if self.k else None  # per slot and round
+        # Seconds of a step of each batch size at each depth (speculate.choose_depth): measure_round_costs
+        self.round_costs = round_costs
+        self.step_depths = [0] * (self.k + 1)  # steps at each depth 0..k
         self.models = (model, draft) if draft is not None else (model,)
         for m in self.models:
             m.setup_caches(max_batch_size, max_seq_length)
@@ -121,7 +147,7 @@ class Engine:
         if self.context < 2:
             raise ValueError(
                 f"--max_seq_length {max_seq_length} leaves no room for a prompt and a reply"
-                + (f" beside speculate_k {self.k}" if draft is not None else "")
+                + (f" beside speculate_k {self.k}" if self.k else "")
             )
         if prefill_chunk < 1:
             raise ValueError(f"--prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -142,34 +168,62 @@ class Engine:
         self.counts: Counter = Counter()
         self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
         # A compiled step holds one graph per batch size, greedy or sampled, with log-probs or without (the
-        # draft's: of one token or two): more than Dynamo's default limit of 8 graphs per function, past which a
-        # fullgraph step fails instead of compiling.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.batch_sizes))
+        # draft's: of one token or two; the verification's: one per depth): more than Dynamo's default limit of 8
+        # graphs per function, past which a fullgraph step fails instead of compiling.
+        graphs = 2 * len(self.batch_sizes) * max(2, len(self.depths()) - 1)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
 
     @torch.no_grad()
     def warm_up(self):
-        """Runs the decode step (and the speculative round) at every batch size, greedy and sampled, so that
-        compiled steps compile them all before serving (seconds to minutes each) rather than while requests
-        wait; log-probs compile when first asked for. Idle rows write at positions no request reaches, so this
-        changes no slot."""
+        """Runs every step the server may take at every batch size, greedy and sampled: the decode step, and with
+        speculation a round of each depth (depths), so that compiled steps compile them all before serving
+        (seconds to minutes each) rather than while requests wait; log-probs compile when first asked for. Then
+        measures the rounds' costs, unless given. Idle rows write at positions no request reaches, so this changes
+        no slot."""
         for n in self.batch_sizes:
-            state, positions = self.state_rows(slice(0, n)), self.positions(n)
-            # each group of rows a window of another length: a graph compiled for groups of equal windows would
-            # assume them equal (and compile again when they are not)
-            groups = range(window_groups(n, self.device))
-            windows = attention_windows([VECTOR_STEP * g for g in groups], self.horizon + 1, self.device)
             for greedy in (True, False):
                 start = time.perf_counter()
-                self.decode_step(n, state, positions, greedy, None, windows)
-                if self.draft is not None:
-                    self.draft_and_verify(n, [], state, positions, greedy, windows)
+                for depth in self.depths():
+                    self.idle_round(n, greedy, depth)
                 log.info(
                     "%s of %d rows, %s: ready in %.1f s",
-                    "speculative round" if self.draft else "decode step",
+                    f"decode step and rounds of depths {self.depths()[1:]}" if self.k else "decode step",
                     n,
                     "greedy" if greedy else "sampled",
                     time.perf_counter() - start,
                 )
+        if self.k and self.round_costs is None:
+            self.measure_round_costs()
+
+    def depths(self) -> tuple[int, ...]:
+        """The depths a step may take: drafted tokens per row (0: a plain decode step)."""
+        return depth_choices(self.k) if self.k else (0,)
+
+    def idle_round(self, n: int, greedy: bool, depth: int):
+        """A step of rows 0..n-1, all idle, at depth (warm_up, measure_round_costs); waits for it. Each group of
+        rows attends to a window of another length: a graph compiled for groups of equal windows would assume them
+        equal (and compile again when they are not)."""
+        state, positions = self.state_rows(slice(0, n)), self.positions(n)
+        ends = [min(IDLE_WINDOW + VECTOR_STEP * g, self.idle_position) for g in range(window_groups(n, self.device))]
+        windows = attention_windows(ends, self.horizon + 1, self.device)
+        if depth == 0:
+            token = self.decode_step(n, state, positions, greedy, None, windows)[0]
+        elif self.draft is not None:
+            token = self.draft_and_verify(n, [], state, positions, greedy, windows, depth)[0]
+        else:
+            drafted = torch.zeros(n, depth, dtype=torch.long, device=self.device)
+            token = self.verify(n, state, positions, greedy, windows, drafted)
+        token.tolist()
+
+    def measure_round_costs(self):
+        """The seconds of a step of each batch size at each depth (speculate.measure_round_costs), greedy."""
+        self.round_costs = {
+            n: measure_round_costs(functools.partial(self.idle_round, n, True), self.depths()) for n in self.batch_sizes
+        }
+        for n, costs in self.round_costs.items():
+            log.info(
+                "round costs of %d rows: %s", n, ", ".join(f"depth {d} {s * 1e3:.1f} ms" for d, s in costs.items())
+            )
 
     def state_rows(self, rows: slice | torch.Tensor) -> SamplerState:
         return SamplerState(*(t[rows] for t in self.state))
@@ -228,6 +282,8 @@ class Engine:
             try:
                 if self.draft is not None and all(speculable(self.slots[i]) for i in rows):
                     self.speculate(rows)
+                elif self.ngram and all(self.slots[i].top_logprobs is None for i in rows):
+                    self.look_up(rows)
                 else:
                     self.decode(rows)
             except Exception as e:  # a fault of ours: end the requests it hit, keep serving
@@ -482,6 +538,8 @@ class Engine:
         vocab_size = self.model.config.vocab_size
         allowed = None if choice.matcher is None else allowed_tokens(choice.matcher, vocab_size)
         set_row(self.state, row, choice.params, choice.ids, allowed)
+        if self.ngram and speculable(choice):  # what prompt lookup drafts from: the prediction before the prompt
+            choice.lookup = NgramIndex((choice.prediction or []) + choice.ids)
 
     def refill_noise(self, rows: list[int]):
         for i in rows:
@@ -489,8 +547,9 @@ class Engine:
             if not c.params.greedy:
                 self.state.noise[i].exponential_(generator=c.generator)
 
-    def decode(self, rows: list[int]):
-        """One decode step for the decoding rows (the others of the batch feed the idle position)."""
+    def decode(self, rows: list[int], proposals: dict[int, list[int]] | None = None):
+        """One decode step for the decoding rows (the others of the batch feed the idle position); a row's
+        proposal (prompt lookup's, not verified) is checked against its token, for its acceptance."""
         n = self.batch_size(rows)
         state, positions = self.state_rows(slice(0, n)), self.positions(n)
         if any(self.slots[i].params.penalized for i in rows):  # what penalties read; nothing else does
@@ -508,7 +567,12 @@ class Engine:
         logprobs = None if logprobs is None else step_logprobs(logprobs, host)
         self.steps_taken.append(("decode", tuple(rows)))
         self.counts["decode_steps"] += 1
+        self.step_depths[0] += 1
         for i in rows:
+            if self.speculation is not None:
+                self.speculation.record(0, 0)
+            if proposals and proposals[i]:
+                self.slots[i].acceptance.record(int(proposals[i][0] == host[i]), 1)
             self.cached[i].append(self.last[i])
             self.draft_cached[i] = len(self.cached[i])
             self.last[i] = host[i]
@@ -525,14 +589,16 @@ class Engine:
         previous = torch.tensor([[self.cached[i][-1] if self.decoding(i) else 0] for i in range(n)], device=self.device)
         return torch.cat([previous, self.tokens[:n]], dim=1), torch.cat([positions - 1, positions], dim=1)
 
-    def draft_and_verify(self, n: int, rows: list[int], state, positions: torch.Tensor, greedy: bool, window):
-        """decode.draft_and_verify for rows 0..n-1, whose draft reads each row's previous and current tokens;
-        the decoding rows' sampling noise is drawn anew before each draft step."""
+    def draft_and_verify(
+        self, n: int, rows: list[int], state, positions: torch.Tensor, greedy: bool, window, depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """decode.draft_and_verify of depth drafts for rows 0..n-1, whose draft reads each row's previous and
+        current tokens; the decoding rows' sampling noise is drawn anew before each draft step."""
         return draft_and_verify(
             self.model,
             self.draft,
             self.steps,
-            self.k,
+            depth,
             self.tokens[:n],
             self.draft_inputs(n, positions),
             state,
@@ -542,29 +608,83 @@ class Engine:
             window,
         )
 
+    def verify(self, n: int, state, positions: torch.Tensor, greedy: bool, window, drafted: torch.Tensor):
+        """The model's distributions [n, d + 1, V] after rows 0..n-1's current tokens and drafts [n, d]."""
+        x = torch.cat([self.tokens[:n], drafted], dim=1)
+        at = positions + torch.arange(drafted.shape[1] + 1, device=self.device)
+        return self.steps.verify(self.model, x, at, state, greedy, window)
+
+    def speculation_figures(self) -> dict:
+        """What speculation did (/health): the rows' rounds (results.Speculation), the steps taken at each depth,
+        and the measured seconds of a step of each batch size at each depth."""
+        return self.speculation.summary() | {
+            "draft": "model" if self.draft is not None else "prompt lookup",
+            "step_depths": list(self.step_depths),
+            "round_costs_s": self.round_costs,
+        }
+
+    def costs(self, n: int) -> dict[int, float]:
+        if self.round_costs is None:  # an engine that was not warmed up
+            self.measure_round_costs()
+        check_round_costs(self.round_costs[n])
+        return self.round_costs[n]
+
     def speculate(self, rows: list[int]):
-        """One round of speculative decoding for every decoding row."""
+        """One round of speculative decoding with the draft for every decoding row, of the depth that yields
+        the most tokens a second (speculate.choose_depth; 0: a decode step, which the draft reads too)."""
         n = self.batch_size(rows)
+        depth = choose_depth(self.costs(n), [(self.slots[i].acceptance, self.k) for i in rows])
+        if depth == 0:
+            return self.decode(rows)
         state = self.state_rows(slice(0, n))
         greedy = all(self.slots[i].params.greedy for i in rows)
-        windows = self.windows(n, ahead=self.k)
-        drafted, p, q = self.draft_and_verify(n, rows, state, self.positions(n), greedy, windows)
-        uniforms = torch.zeros(n, self.k, device=self.device)  # a greedy row keeps a draft where q (one-hot) agrees
+        windows = self.windows(n, ahead=depth)
+        drafted, p, q = self.draft_and_verify(n, rows, state, self.positions(n), greedy, windows, depth)
+        self.accept_round(rows, drafted, p, q, None)
+
+    def look_up(self, rows: list[int]):
+        """One round of speculative decoding with prompt lookup's drafts (Choice.lookup) for the rows that can
+        take them (speculable), of the depth that yields the most tokens a second (speculate.choose_depth; 0: a
+        decode step). The other rows, and those with shorter proposals, are padded: they keep no padding."""
+        n = self.batch_size(rows)
+        proposals = {i: self.slots[i].lookup.propose(self.k) if speculable(self.slots[i]) else [] for i in rows}
+        depth = choose_depth(self.costs(n), [(self.slots[i].acceptance, len(proposals[i])) for i in rows])
+        if depth == 0:
+            return self.decode(rows, proposals)
+        state = self.state_rows(slice(0, n))
+        if any(self.slots[i].params.penalized for i in rows):  # what penalties read; nothing else does
+            record_token(state, self.tokens[:n])
+        greedy = all(self.slots[i].params.greedy for i in rows)
+        vocab_size = self.model.config.vocab_size
+        drafted, p, lengths = lookup_drafts([proposals.get(i, []) for i in range(n)], depth, vocab_size, self.device)
+        q = self.verify(n, state, self.positions(n), greedy, self.windows(n, ahead=depth), drafted)
+        self.accept_round(rows, drafted, p, q, lengths)
+
+    def accept_round(self, rows: list[int], drafted, p, q, lengths: torch.Tensor | None):
+        """The acceptance rule (sampling.accept_drafts) on a round's drafts [n, d], for the decoding rows; emits
+        each row's kept drafts and next token."""
+        n, depth = drafted.shape
+        uniforms = torch.zeros(n, depth, device=self.device)  # a greedy row keeps a draft where q (one-hot) agrees
         for i in rows:
             if not self.slots[i].params.greedy:
-                uniforms[i] = torch.rand(self.k, generator=self.slots[i].generator, device=self.device)
+                uniforms[i] = torch.rand(depth, generator=self.slots[i].generator, device=self.device)
         self.refill_noise(rows)
-        kept, next_token = accept_drafts(drafted, p, q, uniforms, state.noise)
+        state = self.state_rows(slice(0, n))
+        kept, next_token = accept_drafts(drafted, p, q, uniforms, state.noise, lengths)
         host = torch.cat([kept[:, None], next_token[:, None], drafted], dim=1).tolist()  # the round's one sync
+        drafts = [depth] * n if lengths is None else lengths.tolist()
         self.tokens[:n, 0] = next_token
         self.steps_taken.append(("decode", tuple(rows)))
         self.counts["decode_steps"] += 1
+        self.step_depths[depth] += 1
         for i in rows:
             n_kept, new = host[i][0], host[i][2 : 2 + host[i][0]] + [host[i][1]]
-            self.speculation.record(n_kept)
+            self.speculation.record(n_kept, drafts[i])
+            if drafts[i]:
+                self.slots[i].acceptance.record(n_kept, n_kept + (n_kept < drafts[i]))
             # The draft read the row's token and every draft but the last: all the row now holds, unless it kept
             # every draft.
-            self.draft_cached[i] = len(self.cached[i]) + min(n_kept + 1, self.k)
+            self.draft_cached[i] = len(self.cached[i]) + min(n_kept + 1, depth)
             self.cached[i] += [self.last[i]] + new[:-1]
             self.last[i] = new[-1]
             for token in new:
@@ -579,6 +699,8 @@ class Engine:
         if c.cancelled:
             return self.finish(row)
         c.tokens.append(token)
+        if c.lookup is not None:
+            c.lookup.extend([token])
         event = Event(c.index, c.pieces.push(token), prompt_logprobs=prompt)
         if logprobs is not None and c.top_logprobs is not None and c.pieces.finished != "eos":
             event.logprobs = replace(logprobs, top=logprobs.top[: c.top_logprobs])

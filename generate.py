@@ -53,7 +53,24 @@ from kernels import MATVECS, Kernels, set_kernels
 from model import Transformer
 from quantize import load_checkpoint_model, prepare_quantized
 from results import Generation, Speculation, check_stop, collect, find_stop, summarize, synchronize
-from sampling import SamplingParams, accept_drafts, check_logprobs, check_seed, refill_noise, sampler_state
+from sampling import (
+    SamplerState,
+    SamplingParams,
+    accept_drafts,
+    check_logprobs,
+    check_seed,
+    refill_noise,
+    sampler_state,
+)
+from speculate import (
+    Acceptance,
+    NgramIndex,
+    check_round_costs,
+    choose_depth,
+    depth_choices,
+    lookup_drafts,
+    measure_round_costs,
+)
 from tokenizer import Tokenizer, load_tokenizer
 
 CHECK_INTERVAL = 8  # decode steps between host checks for finished rows (EOS, stop strings)
@@ -72,22 +89,34 @@ def generate(
     batch_size: int = 1,
     pad_id: int = 0,
     draft_model: Transformer | None = None,
+    ngram: bool = False,
     speculate_k: int = 4,
+    round_costs: dict[int, float] | None = None,
     steps: Steps = Steps(),
 ) -> Generation:
     """Continues each prompt (token ids; one prompt or a list, each repeated batch_size times) in one batch.
 
     Every row stops at its first EOS or stop string (matched on decoded text, which needs tokenizer)
-    or after max_new_tokens. With a draft_model, decoding is speculative (batch 1), speculate_k drafted
-    tokens a round."""
+    or after max_new_tokens. With a draft_model, or with ngram (prompt lookup: drafts from the context), decoding
+    is speculative (batch 1), up to speculate_k drafted tokens a round (speculative_generate; round_costs: its)."""
     rows = check_prompts(prompts) * batch_size
     stop = check_stop(stop, tokenizer)
-    if draft_model is not None:
+    if draft_model is not None and ngram:
+        raise ValueError("speculative decoding drafts with a draft model or by prompt lookup (ngram), not both")
+    if draft_model is not None or ngram:
         if len(rows) != 1:
             raise ValueError(f"speculative decoding takes one prompt at a time, got a batch of {len(rows)}")
         ends = {"eos_ids": eos_ids, "stop": stop, "tokenizer": tokenizer}
         return speculative_generate(
-            model, draft_model, rows[0], max_new_tokens, sampling, speculate_k, **ends, steps=steps
+            model,
+            draft_model,
+            rows[0],
+            max_new_tokens,
+            sampling,
+            speculate_k,
+            **ends,
+            steps=steps,
+            round_costs=round_costs,
         )
     device = model.tok_embeddings.weight.device
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
@@ -135,52 +164,132 @@ def speculative_generate(
     stop=(),
     tokenizer=None,
     steps: Steps = Steps(),
+    round_costs: dict[int, float] | None = None,
 ) -> Generation:
-    """Generates from the target with the draft proposing k tokens a round; the output distribution is
-    exactly the target's (greedy: exactly its greedy tokens). One host sync per round."""
+    """Generates from the target, each round verifying up to k drafted tokens: the draft model's, or with draft
+    None prompt lookup's (speculate.NgramIndex). speculate.choose_depth picks each round's depth (0: a plain decode
+    step) from round_costs, the seconds of a round at each depth of speculate.depth_choices(k) (None: measured here,
+    after the prefill); a proposal shorter than the depth is padded. The output distribution is exactly the
+    target's (greedy: its greedy tokens, but where a near-tie rounds differently in the verify pass). One host sync
+    per round."""
     check_speculation(model, draft, params, k)
-    device, greedy = model.tok_embeddings.weight.device, params.greedy
-    for m in (model, draft):  # verification writes up to k positions past the last kept token
+    device, greedy, vocab_size = model.tok_embeddings.weight.device, params.greedy, model.config.vocab_size
+    models = (model,) if draft is None else (model, draft)
+    for m in models:  # verification writes up to k positions past the last kept token
         ensure_caches(m, 1, len(prompt), max_new_tokens + k + 1)
-    s_target, s_draft = (sampler_state(params, [prompt], model.config.vocab_size, device) for _ in range(2))
+    max_seq_length = min(m.max_seq_length for m in models)
+    s_target, s_draft = (sampler_state(params, [prompt], vocab_size, device) for _ in range(2))
     generator = params.generator(device)
     draft_noise = functools.partial(refill_noise, s_draft, params, generator)
-    x, input_pos = torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)
+    x, no_pad = torch.tensor([prompt], device=device), torch.zeros(1, dtype=torch.long, device=device)
     eos, stats = set(eos_ids), Speculation(k)
 
     synchronize(device)
     start = time.perf_counter()
     refill_noise(s_target, params, generator)
-    no_pad = torch.zeros_like(x[:, 0])
-    first, _ = steps.prefill(model, x, input_pos, no_pad, s_target, greedy, n_logprobs=None, kv_length=len(prompt))
-    draft(x, input_pos, last_only=True, kv_length=len(prompt))  # the draft's cache holds the prompt too
-    out = [int(first)]
+    first, _ = steps.prefill(
+        model, x, torch.arange(len(prompt), device=device), no_pad, s_target, greedy, None, kv_length=len(prompt)
+    )
+    tokens = prompt + [int(first)]  # position i holds tokens[i]; the last is the current token, in no cache yet
     ttft = time.perf_counter() - start
-    pos, cur = len(prompt), first.view(1, 1)
+    index = NgramIndex(tokens) if draft is None else None
+    draft_cached = 0  # the positions the draft's cache holds (it catches up before it drafts)
+    measuring = time.perf_counter()
+    if round_costs is None:
+        if draft is not None:
+            draft_cached = catch_up(draft, steps, tokens, draft_cached, s_draft, greedy, max_seq_length)
+        run_round = functools.partial(time_round, model, draft, steps, tokens, s_target, s_draft, greedy)
+        round_costs = tp.agreed(measure_round_costs(run_round, depth_choices(k)))
+    start += time.perf_counter() - measuring  # not decoding
+    check_round_costs(round_costs)
+    acceptance = Acceptance()
     while (
-        len(out) < max_new_tokens and out[-1] not in eos and not (stop and find_stop(tokenizer.decode(out), stop) >= 0)
+        len(tokens) - len(prompt) < max_new_tokens
+        and tokens[-1] not in eos
+        and not stopped(tokens, prompt, stop, tokenizer)
     ):
+        pos, cur = len(tokens) - 1, torch.tensor([tokens[-1:]], device=device)
         at = torch.tensor([pos], device=device)
-        window = attention_window(pos + k, min(model.max_seq_length, draft.max_seq_length), device)  # writes to pos + k
-        drafted, p, q = draft_and_verify(
-            model, draft, steps, k, cur, (cur, at), s_target, s_draft, greedy, draft_noise, window
-        )
-        uniforms = torch.rand(1, k, device=device, generator=generator)
-        noise = torch.empty(1, q.shape[-1], device=device).exponential_(generator=generator)
-        kept, next_token = accept_drafts(drafted, p, q, uniforms, noise)
-        host = torch.cat([kept, next_token, drafted[0]]).tolist()  # the round's one sync
-        n = host[0]
-        if n == k:  # the draft never fed its last token: do it, so its cache is complete
-            steps.draft(draft, drafted[:, -1:], torch.tensor([pos + k], device=device), s_draft, greedy, window)
-        emitted = host[2 : 2 + n] + [host[1]]
-        stats.record(n)
-        out += emitted
-        pos += len(emitted)
-        cur = torch.tensor([[emitted[-1]]], device=device)
-    raw = out[:max_new_tokens]
+        proposal = index.propose(k) if index is not None else []
+        depth = choose_depth(round_costs, [(acceptance, k if draft is not None else len(proposal))])
+        window = attention_window(pos + depth, max_seq_length, device)  # writes to pos + depth
+        if depth == 0:
+            refill_noise(s_target, params, generator)
+            token, _ = steps.decode(model, cur, at, no_pad, s_target, greedy, None, window)
+            emitted, kept, drafts = [int(token)], 0, 0
+            # a proposal not taken is still checked, so that prompt lookup's acceptance follows the text
+            acceptance.record(int(proposal[:1] == emitted), len(proposal[:1]))
+        else:
+            if draft is None:
+                drafted, p, lengths = lookup_drafts([proposal], depth, vocab_size, device)
+                verify_at = pos + torch.arange(depth + 1, device=device)
+                q = steps.verify(model, torch.cat([cur, drafted], dim=1), verify_at, s_target, greedy, window)
+            else:
+                draft_cached = catch_up(draft, steps, tokens, draft_cached, s_draft, greedy, max_seq_length)
+                drafted, p, q = draft_and_verify(
+                    model, draft, steps, depth, cur, (cur, at), s_target, s_draft, greedy, draft_noise, window
+                )
+                lengths = None
+            uniforms = torch.rand(1, depth, device=device, generator=generator)
+            noise = torch.empty(1, vocab_size, device=device).exponential_(generator=generator)
+            n_kept, next_token = accept_drafts(drafted, p, q, uniforms, noise, lengths)
+            host = torch.cat([n_kept, next_token, drafted[0]]).tolist()  # the round's one sync
+            kept, drafts = host[0], depth if draft is not None else min(depth, len(proposal))
+            emitted = host[2 : 2 + kept] + [host[1]]
+            acceptance.record(kept, kept + (kept < drafts))
+            if draft is not None:  # it read the current token and every draft but the last
+                draft_cached = pos + min(kept + 1, depth)
+        stats.record(kept, drafts)
+        tokens += emitted
+        if index is not None:
+            index.extend(emitted)
+    raw = tokens[len(prompt) :][:max_new_tokens]
     result = collect([raw], [None], [prompt], eos_ids, list(stop), tokenizer, ttft, time.perf_counter() - start - ttft)
-    result.speculation = stats.summary()
+    result.speculation = stats.summary() | {
+        "draft": "prompt lookup" if draft is None else "model",
+        "round_costs_s": round_costs,
+    }
     return result
+
+
+def stopped(tokens: list[int], prompt: list[int], stop: list[str], tokenizer) -> bool:
+    return bool(stop) and find_stop(tokenizer.decode(tokens[len(prompt) :]), stop) >= 0
+
+
+def catch_up(draft, steps: Steps, tokens: list[int], cached: int, s: SamplerState, greedy: bool, max_seq_length: int):
+    """Feeds the draft the tokens before the current one that its cache lacks (from position cached): one by its
+    compiled step, more (the prompt, or what plain rounds made) in one eager pass. Returns the positions it holds."""
+    pos, device = len(tokens) - 1, draft.tok_embeddings.weight.device
+    if cached == pos:
+        return pos
+    x, at = torch.tensor([tokens[cached:pos]], device=device), torch.arange(cached, pos, device=device)
+    if pos - cached == 1:
+        steps.draft(draft, x, at, s, greedy, attention_window(pos, max_seq_length, device))
+    else:
+        draft(x, at, last_only=True, kv_length=pos)
+    return pos
+
+
+def time_round(model, draft, steps: Steps, tokens: list[int], s_target, s_draft, greedy: bool, depth: int):
+    """A round of depth at the current token's position (speculate.measure_round_costs), its drafts the current
+    token repeated; waits for it. What it computes is dropped: each position it writes is written again before a
+    later round reads it. It draws no noise, so that a seeded run samples the same with costs measured or given."""
+    device = model.tok_embeddings.weight.device
+    pos, cur = len(tokens) - 1, torch.tensor([tokens[-1:]], device=device)
+    at = torch.tensor([pos], device=device)
+    max_seq_length = min(m.max_seq_length for m in (model, draft) if m is not None)
+    window = attention_window(pos + depth, max_seq_length, device)
+    if depth == 0:
+        token, _ = steps.decode(model, cur, at, torch.zeros_like(at), s_target, greedy, None, window)
+    elif draft is None:
+        token = steps.verify(
+            model, cur.repeat(1, depth + 1), pos + torch.arange(depth + 1, device=device), s_target, greedy, window
+        )
+    else:
+        token = draft_and_verify(
+            model, draft, steps, depth, cur, (cur, at), s_target, s_draft, greedy, lambda: None, window
+        )[0]
+    token.tolist()
 
 
 # ---------------------------------------------------------------- loading
@@ -264,7 +373,8 @@ def parser() -> argparse.ArgumentParser:
         "--prompts_file", type=prompt_lines, help="a text file, one prompt a line, all in one batch (with any --prompt)"
     )
     arg("--interactive", action="store_true", help="a conversation on stdin (chat template if any)")
-    arg("--system", default=None, type=utf8_text, help="system message for --interactive")
+    arg("--chat", action="store_true", help="answer each prompt as a user's message, in the chat template")
+    arg("--system", default=None, type=utf8_text, help="system message for --interactive and --chat")
     arg("--num_samples", type=int, default=1, help="number of runs")
     arg("--max_new_tokens", type=int, default=200, help="tokens to generate at most, per row")
     arg("--batch_size", type=int, default=1, help="rows generated from each prompt")
@@ -280,7 +390,12 @@ def parser() -> argparse.ArgumentParser:
     arg("--seed", type=int, default=None, help="random seed, for repeatable sampling")
     arg("--checkpoint_path", type=Path, default=DEFAULT_CHECKPOINT, help="model.pth, or its folder")
     arg("--draft_checkpoint_path", type=Path, default=None, help="draft model: speculative decoding")
-    arg("--speculate_k", type=int, default=4, help="tokens the draft proposes per round")
+    arg(
+        "--ngram",
+        action="store_true",
+        help="speculative decoding with drafts from the context itself (prompt lookup): no draft model",
+    )
+    arg("--speculate_k", type=int, default=4, help="tokens drafted per round at most (a controller picks how many)")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     arg("--compile", action="store_true", help="torch.compile the decode step")
@@ -322,6 +437,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(e))
     if "" in args.stop:
         p.error("a stop string is empty")
+    if args.chat and args.interactive:
+        p.error("--chat answers --prompt once; --interactive is a conversation on stdin: choose one")
+    if args.ngram and args.draft_checkpoint_path is not None:
+        p.error("--ngram drafts from the context, --draft_checkpoint_path with a draft model: choose one")
     return args
 
 
@@ -333,7 +452,8 @@ def sampling_params(args) -> SamplingParams:
 def run(args, device: torch.device, shard=None):
     piped = None if args.interactive or args.prompt or args.prompts_file else piped_text(shard)  # before loading
     texts = (args.prompt or []) + (args.prompts_file or []) or [piped or "Hello, my name is"]
-    rows = args.speculate_k + 1 if args.draft_checkpoint_path else len(texts) * args.batch_size  # a step's at most
+    speculative = args.draft_checkpoint_path is not None or args.ngram
+    rows = args.speculate_k + 1 if speculative else len(texts) * args.batch_size  # a step's at most
     start = time.perf_counter()
     model, tokenizer, draft = load_models(
         args.checkpoint_path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, shard, rows
@@ -346,8 +466,8 @@ def run(args, device: torch.device, shard=None):
         torch.manual_seed(seed)
     steps = compile_steps(device, args.compile, args.compile_prefill)  # each compiles lazily, on first use
     if args.interactive:
-        if draft is not None:
-            raise ValueError("--interactive does not take a draft model")
+        if speculative:
+            raise ValueError("--interactive does not take a draft model or --ngram")
         chat = Chat(
             model,
             tokenizer,
@@ -359,25 +479,28 @@ def run(args, device: torch.device, shard=None):
         )
         return chat_loop(chat, tp.line_reader(shard), print_piece)
 
-    prompts = check_prompts([tokenizer.encode(text) for text in texts])
-    if draft is not None and (len(prompts) > 1 or args.batch_size > 1):
+    prompts = check_prompts([encode_prompt(tokenizer, text, args) for text in texts])
+    if speculative and (len(prompts) > 1 or args.batch_size > 1):
         raise ValueError("speculative decoding takes one prompt and --batch_size 1")
-    once = functools.partial(generate_once, args, model, tokenizer, prompts, sampling, steps)
+    once = functools.partial(generate_once, args, model, tokenizer, prompts, sampling, steps, draft)
     # Caches sized once for every run below (speculation writes k + 1 positions ahead), so nothing recompiles.
-    ahead = args.speculate_k + 1 if draft is not None else 0
+    ahead = args.speculate_k + 1 if speculative else 0
     for m in (model, draft) if draft is not None else (model,):
         ensure_caches(m, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens + ahead)
-    compile_time = warm_up(once, draft, args.max_new_tokens) if args.compile or args.compile_prefill else None
-    streamed, rank0 = streams(args, prompts, draft), shard is None or shard.rank == 0
+    compile_time, round_costs = None, None
+    if args.compile or args.compile_prefill:
+        compile_time, round_costs = warm_up(once, speculative, args.max_new_tokens)
+    streamed, rank0 = streams(args, prompts, speculative), shard is None or shard.rank == 0
     results = []
     for i in range(args.num_samples):
         profile = args.profile if i == args.num_samples - 1 and rank0 else None
-        results.append(sample_run(args, once, draft, texts, streamed, profile))
+        results.append(sample_run(args, once, texts, streamed, profile, round_costs))
+        round_costs = round_costs or measured_costs(results[-1])  # the first run's, where no warm-up measured them
     stats = summarize(results, model, device, compile_time)
     if compile_time is not None:
         stats["inductor_cache_dir"] = str(inductor_cache_dir())
-    if draft is not None:  # the same prompt without the draft, for comparison
-        plain = summarize([once(None, args.max_new_tokens)], model, device, None)
+    if speculative:  # the same prompt without speculation, for comparison
+        plain = summarize([once(args.max_new_tokens, plain=True)], model, device, None)
         stats["speculation"] = results[-1].speculation
         stats["plain_decode_tokens_per_s"] = plain["decode_tokens_per_s"]
         stats["speedup_over_plain_decoding"] = stats["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
@@ -387,14 +510,42 @@ def run(args, device: torch.device, shard=None):
 print_piece = functools.partial(print, end="", flush=True)
 
 
-def streams(args, prompts: list[list[int]], draft) -> bool:
-    """Whether a run streams its text as it comes: one prompt, one row, no draft."""
-    return len(prompts) == 1 and args.batch_size == 1 and draft is None
+def encode_prompt(tokenizer: Tokenizer, text: str, args) -> list[int]:
+    """A prompt's tokens: its text, or with --chat a user's message (after --system's) in the chat template."""
+    if not args.chat:
+        return tokenizer.encode(text)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--chat: {args.checkpoint_path} has no chat template")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return tokenizer.encode_chat(system + [{"role": "user", "content": text}])
 
 
-def generate_once(args, model, tokenizer, prompts, sampling, steps, draft, max_new_tokens, on_piece=None):
-    """One generation of the command line's prompts (with the draft, if not None)."""
-    if streams(args, prompts, draft):
+def streams(args, prompts: list[list[int]], speculative: bool) -> bool:
+    """Whether a run streams its text as it comes: one prompt, one row, no speculation."""
+    return len(prompts) == 1 and args.batch_size == 1 and not speculative
+
+
+def measured_costs(result: Generation) -> dict[int, float] | None:
+    return None if result.speculation is None else result.speculation["round_costs_s"]
+
+
+def generate_once(
+    args,
+    model,
+    tokenizer,
+    prompts,
+    sampling,
+    steps,
+    draft,
+    max_new_tokens,
+    on_piece=None,
+    plain=False,
+    round_costs=None,
+):
+    """One generation of the command line's prompts: speculative with the draft (if not None) or --ngram, unless
+    plain; round_costs: speculative_generate's."""
+    speculative = not plain and (draft is not None or args.ngram)
+    if streams(args, prompts, speculative):
         stream = Stream(model, tokenizer, prompts[0], max_new_tokens, sampling=sampling, stop=args.stop, steps=steps)
         return stream.run(on_piece)
     return generate(
@@ -406,25 +557,29 @@ def generate_once(args, model, tokenizer, prompts, sampling, steps, draft, max_n
         batch_size=args.batch_size,
         tokenizer=tokenizer,
         eos_ids=tokenizer.eos_ids,
-        draft_model=draft,
+        draft_model=None if plain else draft,
+        ngram=args.ngram and not plain,
         speculate_k=args.speculate_k,
+        round_costs=round_costs,
         steps=steps,
     )
 
 
-def sample_run(args, once, draft, texts: list[str], streamed: bool, profile: Path | None) -> Generation:
-    """One of --num_samples runs, its text printed (streamed, or per row at the end); with profile, its trace."""
+def sample_run(args, once, texts: list[str], streamed: bool, profile: Path | None, round_costs) -> Generation:
+    """One of --num_samples runs, its text printed (streamed, or per row at the end) after its prompt (not a
+    --chat message); with profile, its trace."""
+    shown = ["" if args.chat else text for text in texts]
     if streamed:
-        print_piece(texts[0])
+        print_piece(shown[0])
     with torch.profiler.profile() if profile else contextlib.nullcontext() as profiler:
-        result = once(draft, args.max_new_tokens, print_piece)
+        result = once(args.max_new_tokens, print_piece, round_costs=round_costs)
     if profile:
         profiler.export_chrome_trace(str(profile))
     if streamed:
         print(flush=True)
     else:
         for b, text in enumerate(result.texts):
-            print(f"[{b}] {texts[b % len(texts)]}{text}\n", flush=True)
+            print(f"[{b}] {shown[b % len(texts)]}{text}\n", flush=True)
     return result
 
 
@@ -444,16 +599,16 @@ def piped_text(shard) -> str | None:
         raise ValueError(f"stdin is not valid UTF-8 (byte {e.start})") from None
 
 
-def warm_up(once, draft, max_new_tokens: int) -> float:
+def warm_up(once, speculative: bool, max_new_tokens: int) -> tuple[float, dict[int, float] | None]:
     """Runs the compiled steps once (they compile), and the plain decode step too when speculation is compared
-    with it; returns the seconds it took."""
+    with it; returns the seconds it took, and a speculative run's round costs (measured on the way)."""
     start = time.perf_counter()
-    once(draft, min(max_new_tokens, 2 * CHECK_INTERVAL))
-    if draft is not None:
-        once(None, min(max_new_tokens, 2 * CHECK_INTERVAL))
+    warm = once(min(max_new_tokens, 2 * CHECK_INTERVAL))
+    if speculative:
+        once(min(max_new_tokens, 2 * CHECK_INTERVAL), plain=True)
     elapsed = time.perf_counter() - start
     print(f"Compilation and warm-up: {elapsed:.1f} s", file=sys.stderr)
-    return elapsed
+    return elapsed, measured_costs(warm)
 
 
 def report(results: list[Generation], stats: dict, shard, as_json: bool, with_logprobs: bool):

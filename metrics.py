@@ -49,6 +49,14 @@ class EngineCollector:
             return
         yield CounterMetricFamily(PREFIX + "speculative_drafted_tokens", "Tokens the draft proposed.", s.drafted)
         yield CounterMetricFamily(PREFIX + "speculative_accepted_tokens", "Drafted tokens the model kept.", s.kept)
+        steps = CounterMetricFamily(
+            PREFIX + "speculative_steps",
+            "Decode steps by the tokens they drafted per row (0: plain).",
+            labels=["depth"],
+        )
+        for depth, count in enumerate(list(self.engine.step_depths)):
+            steps.add_metric([str(depth)], count)
+        yield steps
 
 
 def server_metrics(engine: Engine) -> Metrics:

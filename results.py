@@ -46,25 +46,35 @@ def step_logprobs(logprobs: tuple[Tensor, Tensor, Tensor], tokens: list[int]) ->
 
 @dataclass
 class Speculation:
+    """What speculative rounds did: each drafted some tokens (its depth, at most k; 0: a plain decode step) and
+    kept some of them."""
+
     k: int
     rounds: int = 0
     drafted: int = 0
     kept: int = 0
-    histogram: list[int] = field(init=False)  # rounds that kept 0, 1, ..., k drafted tokens
+    histogram: list[int] = field(init=False)  # rounds that drafted and kept 0, 1, ..., k of their drafts
+    depths: list[int] = field(init=False)  # rounds of each depth 0, 1, ..., k
 
     def __post_init__(self):
-        self.histogram = [0] * (self.k + 1)
+        self.histogram, self.depths = [0] * (self.k + 1), [0] * (self.k + 1)
 
-    def record(self, kept: int):
-        """One round: k drafted, kept of them accepted."""
-        self.rounds, self.drafted, self.kept = self.rounds + 1, self.drafted + self.k, self.kept + kept
-        self.histogram[kept] += 1
+    def record(self, kept: int, depth: int | None = None):
+        """One round: depth drafted (default k), kept of them accepted."""
+        depth = self.k if depth is None else depth
+        self.rounds, self.drafted, self.kept = self.rounds + 1, self.drafted + depth, self.kept + kept
+        self.depths[depth] += 1
+        if depth:
+            self.histogram[kept] += 1
 
     def summary(self) -> dict:
+        speculative = self.rounds - self.depths[0]
         return {
             "speculate_k": self.k,
             "acceptance_rate": self.kept / max(self.drafted, 1),
             "accepted_length_histogram": self.histogram,
+            "mean_accepted_length": self.kept / max(speculative, 1),
+            "depth_histogram": self.depths,
             "tokens_per_target_forward": (self.kept + self.rounds) / max(self.rounds, 1),
         }
 

@@ -194,18 +194,26 @@ def residual_probs(q: Tensor, p: Tensor) -> Tensor:
     return torch.where(mass > 1e-6, residual / mass.clamp(min=1e-6), q)
 
 
-def accept_drafts(drafted: Tensor, p: Tensor, q: Tensor, uniforms: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+def accept_drafts(
+    drafted: Tensor, p: Tensor, q: Tensor, uniforms: Tensor, noise: Tensor, lengths: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Leviathan et al.'s rule, for each of B rows: drafted [B, k] tokens drawn from p [B, k, V], the target's
     distributions q [B, k + 1, V].
 
     Token i is kept with probability min(1, q_i(x_i) / p_i(x_i)) (uniforms [B, k]); at the first rejection
     the next token comes from the residual (noise [B, V]: Exp(1) draws); if all are kept, a bonus token
-    comes from q_k. Returns the number kept [B] and the next token [B], as device tensors."""
+    comes from q_k. lengths [B]: a row's drafts, where fewer than k (the rest pad the rows to one shape): the
+    padding is never kept, and past a row's last draft its next token comes from q there, as after all k.
+    Returns the number kept [B] and the next token [B], as device tensors."""
     k = drafted.shape[1]
     chosen = drafted[..., None]
     ratio = (q[:, :k].gather(-1, chosen) / p.gather(-1, chosen))[..., 0]  # p > 0 at the drafted tokens: drawn from it
-    kept = torch.cumprod((uniforms < ratio).int(), dim=-1).sum(-1)
-    # Past the last draft p is zero, so the "residual" there is q_k itself: the bonus token.
+    keep = uniforms < ratio
+    if lengths is not None:
+        drafts = torch.arange(k, device=drafted.device) < lengths[:, None]  # [B, k]
+        keep, p = keep & drafts, p * drafts[..., None]
+    kept = torch.cumprod(keep.int(), dim=-1).sum(-1)
+    # Past the last draft p is zero, so the "residual" there is q itself: the bonus token.
     p = torch.cat([p, torch.zeros_like(p[:, :1])], dim=1)
     rows = torch.arange(drafted.shape[0], device=drafted.device)
     return kept, torch.argmax(residual_probs(q[rows, kept], p[rows, kept]) / noise, dim=-1)

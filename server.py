@@ -110,7 +110,7 @@ def make_app(app_state: AppState) -> FastAPI:
             "prefilling_slots": len(engine.prefilling),
             "slots": len(engine.slots),
             "waiting": engine.waiting.qsize(),
-            "speculation": None if engine.speculation is None else engine.speculation.summary(),
+            "speculation": None if engine.speculation is None else engine.speculation_figures(),
         }
 
     @app.get("/")
@@ -242,6 +242,7 @@ def submit(job: Job, engine: Engine) -> tuple[list[Choice], asyncio.Queue]:
             job.score_prompt,
             None if job.grammar is None else new_matcher(job.grammar, engine.vocabulary),
             ignore_eos=job.ignore_eos,
+            prediction=job.prediction,
         )
         for p, ids in enumerate(job.prompts)
         for i in range(job.n)
@@ -344,9 +345,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--compile", action="store_true", help="torch.compile the decode step (one graph per power-of-two batch)")
     arg("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag")
     arg("--draft_checkpoint_path", type=Path, default=None, help="a draft model (same tokenizer): speculative decoding")
-    arg("--speculate_k", type=int, default=4, help="tokens the draft proposes per slot and round")
+    arg(
+        "--ngram",
+        action="store_true",
+        help="speculative decoding with drafts from each request's context (prompt lookup) and its prediction field",
+    )
+    arg("--speculate_k", type=int, default=4, help="tokens drafted per slot and step at most (the depth is measured)")
     args = p.parse_args(argv)
-    for name in ("max_batch_size", "max_queue", "prefill_chunk"):
+    if args.ngram and args.draft_checkpoint_path is not None:
+        p.error("--ngram drafts from the context, --draft_checkpoint_path with a draft model: choose one")
+    for name in ("max_batch_size", "max_queue", "prefill_chunk", "speculate_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if not 0 < args.port < 65536:
@@ -362,7 +370,8 @@ def main(argv=None):
         args = parse_args(argv)
         device = args.device
         path = resolve_checkpoint(args.checkpoint_path)
-        rows = args.max_batch_size * (args.speculate_k + 1 if args.draft_checkpoint_path else 1)  # a step's at most
+        speculative = args.draft_checkpoint_path is not None or args.ngram
+        rows = args.max_batch_size * (args.speculate_k + 1 if speculative else 1)  # a step's at most
         model, tokenizer, draft = load_models(
             path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, rows=rows
         )
@@ -389,8 +398,9 @@ def main(argv=None):
             args.speculate_k,
             vocabulary,
             args.prefill_chunk,
+            args.ngram,
         )
-        if args.compile:
+        if args.compile or speculative:  # compiles the steps; measures the speculative rounds' costs
             engine.warm_up()
         # What loading and compiling made lives as long as the server: Python's full collections would walk it all,
         # each stalling the engine and the HTTP thread (they hold the interpreter); frozen, collections skip it.

@@ -119,6 +119,12 @@ def from_rank0(value):
     return box[0]
 
 
+def agreed(value):
+    """Rank 0's value on every rank under torchrun, else value: for a choice the ranks must make alike though each
+    could make it alone (one measured on each, such as speculation's round costs)."""
+    return from_rank0(value) if dist.is_initialized() else value
+
+
 def gather_objects(value) -> list:
     """Every rank's value, in rank order, on every rank."""
     values = [None] * dist.get_world_size()

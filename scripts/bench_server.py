@@ -4,6 +4,8 @@
     python scripts/bench_server.py --checkpoint_path checkpoints/SmolLM2-135M-Instruct/model_int8.pth \\
         --llama_server PATH/llama-server                                   # int8 beside Q8_0
     python scripts/bench_server.py --clients 1,8 --max_tokens 64 --requests 1 --no-compile   # ours alone
+    python scripts/bench_server.py --checkpoint_path checkpoints/Qwen2.5-Coder-1.5B-Instruct/model_int8.pth \
+        --workloads edit --clients 4 --requests 1 --max_tokens 256 --no-ignore_eos --ngram   # prompt lookup
 
 Workloads (--workloads): "chat": C clients each send --requests streamed chat requests in turn, on a connection of
 their own (different questions, greedy, --max_tokens tokens: ignore_eos, as both servers take it, so that both do the
@@ -12,7 +14,9 @@ fourth client (the first, the fifth, ...) begin with a document of --document_to
 while the other streams run. Each row: total tokens/s (completion tokens of all requests / wall time from the first
 request sent to the last answer), time to first token (TTFT: from sending a request to its first streamed text) p50
 and p95, the largest gap between two pieces of text of one stream, and the streams' decode rate (tokens after the
-first / time from the first to the last).
+first / time from the first to the last). "edit": every request is speculative_demo.py's code edit (a 160-line file,
+"rename a method, return the whole file"), what prompt lookup speeds up: with --ngram, server.py --ngram runs every
+row too, its ratio against server.py's.
 
 llama-server (build it as docs/serving.md says) serves the GGUF the checkpoint came from (--gguf) at the checkpoint's
 precision (float32: F32, int8: Q8_0, int4: Q4_1, a checkpoint of GGUF blocks: the GGUF's own type; llama.cpp makes
@@ -46,6 +50,7 @@ from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, load_checkpoint, resol
 from decode import Stream, compile_steps  # noqa: E402
 from generate import load_models  # noqa: E402
 from kernels import MATVECS  # noqa: E402
+from speculative_demo import EDITED_FILE, WORKLOADS  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 QUESTIONS = [
@@ -105,6 +110,8 @@ def summary(server: str, workload: str, clients: int, wall: float, answers: list
 
 def requests_of(workload: str, clients: int, per_client: int, document: str) -> list[list[str]]:
     """Client c's messages, in the order it sends them."""
+    if workload == "edit":
+        return [[WORKLOADS["code edit"].format(file=EDITED_FILE.read_text())] * per_client for _ in range(clients)]
     return [
         [
             (document + "\n\n" if workload == "mixed" and c % 4 == 0 else "")
@@ -138,7 +145,7 @@ def wait_for(process: subprocess.Popen, url: str, name: str) -> float:
         time.sleep(0.2)
 
 
-def ours_command(args, port: int) -> list[str]:
+def ours_command(args, port: int, *flags: str) -> list[str]:
     return [
         sys.executable,
         str(ROOT / "server.py"),
@@ -152,6 +159,7 @@ def ours_command(args, port: int) -> list[str]:
         str(args.max_seq_length),
         "--kernels",
         args.kernels,
+        *flags,
     ] + ["--compile"] * args.compile
 
 
@@ -285,7 +293,7 @@ def parse_args(argv=None):
         default=[1, 4, 16],
         help="comma-separated numbers of concurrent clients",
     )
-    p.add_argument("--workloads", type=lambda s: s.split(","), default=["chat", "mixed"], help="chat, mixed")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=["chat", "mixed"], help="chat, mixed, edit")
     p.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument(
@@ -296,12 +304,13 @@ def parse_args(argv=None):
     p.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag")
     p.add_argument("--max_seq_length", type=int, default=2048, help="positions per slot, both servers")
     p.add_argument("--port", type=int, default=8765, help="server.py's; llama-server's is the next")
+    p.add_argument("--ngram", action="store_true", help="server.py --ngram too, each row beside server.py's")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
         p.error("--clients, --requests and --max_tokens must be positive")
-    if not set(args.workloads) <= {"chat", "mixed"}:
-        p.error(f"--workloads: chat and/or mixed, got {','.join(args.workloads)}")
+    if not set(args.workloads) <= {"chat", "mixed", "edit"}:
+        p.error(f"--workloads: of chat, mixed and edit, got {','.join(args.workloads)}")
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
         p.error(f"--llama_server {args.llama_server} is not an executable file")
     if args.llama_server is not None and not args.gguf.is_file():
@@ -317,6 +326,8 @@ def main(argv=None):
         peer = None if args.llama_server is None else peer_gguf(args)
     document = document_of(tokenizer, args.document_tokens) if "mixed" in args.workloads else ""
     servers = {"server.py": (ours_command(args, args.port), args.port)}
+    if args.ngram:
+        servers["server.py --ngram"] = (ours_command(args, args.port + 2, "--ngram"), args.port + 2)
     if peer is not None:
         gguf, kind = peer
         servers[f"llama-server {kind}"] = (llama_server_command(args, args.port + 1, gguf), args.port + 1)
@@ -345,14 +356,15 @@ def main(argv=None):
         f"{max(args.clients)} slots of {args.max_seq_length}; started in "
         + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
     )
-    theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"] != "server.py"}
+    theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"].startswith("llama-server")}
+    plain = {(r["workload"], r["clients"]): r for r in rows if r["server"] == "server.py"}
     print(
         "| server | load | clients | tokens | total tok/s | vs peer | TTFT p50 s | TTFT p95 s | largest gap s |"
         " decode tok/s |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        peer = theirs.get((r["workload"], r["clients"]))
+        peer = (plain if r["server"] == "server.py --ngram" else theirs).get((r["workload"], r["clients"]))
         ratio = f"{r['total_tokens_per_s'] / peer['total_tokens_per_s']:.2f}x" if peer and peer is not r else ""
         print(
             f"| {r['server']} | {r['workload']} | {r['clients']} | {r['completion_tokens']} | "

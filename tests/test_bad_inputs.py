@@ -220,6 +220,10 @@ CASES = [
     ("generate", None, ["--prompts_file", "{tmp}/ckpt"], "--prompts_file"),
     ("generate", None, ["--prompts_file", "{tmp}/absent.txt"], "absent.txt"),
     ("generate", None, ["--num_samples", "0"], "--num_samples"),
+    ("generate", None, ["--chat"], "chat template"),
+    ("generate", None, ["--chat", "--interactive"], "--interactive"),
+    ("generate", None, ["--ngram", "--draft_checkpoint_path", "{tmp}/ckpt"], "--ngram"),
+    ("generate", None, ["--ngram", "--batch_size", "2"], "one prompt"),
     # quantize.py
     ("quantize", None, ["--checkpoint_path", "{tmp}/absent.pth"], "absent.pth"),
     ("quantize", save("ckpt/model.pth", torch.zeros(3)), [], "model.pth"),

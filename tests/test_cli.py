@@ -3,6 +3,7 @@ test_bad_inputs.py), the compiled code of the CPU capability in force."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -83,6 +84,29 @@ def test_several_prompts_are_one_batch(tiny_checkpoint, tmp_path):
     assert report["outputs"] == expected.texts
     assert report["stats"]["prompt_tokens"] == [len(p) for p in prompts]
     assert [[e["token"] for e in row] for row in report["logprobs"]] == expected.tokens
+
+
+def test_one_shot_chat_with_prompt_lookup(tiny_checkpoint, tmp_path):
+    """--chat answers --prompt as a user's message after --system's, in the checkpoint's chat template, and prints
+    the answer alone; --ngram speculates by prompt lookup and gives plain decoding's greedy tokens."""
+    folder = tmp_path / "chat"
+    shutil.copytree(tiny_checkpoint, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    args = ("--checkpoint_path", str(folder), "--system", "Be brief.", "--prompt", "say it again and again")
+    result = run_cli(*args, "--chat", "--ngram", "--max_new_tokens", "24", "--temperature", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    model, tokenizer = gen.load_model(folder), load_tokenizer(folder)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say it again and again"}]
+    prompt = tokenizer.encode_chat(messages)
+    assert tokenizer.decode(prompt).endswith("<user>say it again and again\n<a>")
+    expected = gen.generate(model, prompt, 24, eos_ids=tokenizer.eos_ids).tokens[0]
+    assert_same_greedy(model, prompt, report["tokens"][0], expected, 1e-4)
+    assert result.stdout.startswith("[0] " + report["outputs"][0])  # the answer, without the prompt
+    speculation = report["stats"]["speculation"]
+    assert speculation["draft"] == "prompt lookup" and sum(speculation["depth_histogram"]) > 0
 
 
 def test_interactive_conversation_from_a_pipe(tiny_checkpoint):

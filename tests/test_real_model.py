@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_greedy
-from decode import compile_steps
+from decode import Steps, compile_steps
 from eval import perplexity
 from generate import generate, load_model
 from kernels import Kernels, native_kernels
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.numerics
 # Our logits and transformers' (30 layers, float32, logits up to ~35) differ by rounding alone: up to 9.4e-5 on
 # an AVX2 CPU; a fault in any layer moves them by more than 1e-1.
 TOLERANCE = 1e-3
+EVERY_ROUND = {0: 1.0, 2: 1.0}  # round costs alike: each round verifies the 2 tokens prompt lookup proposes, if any
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,24 @@ def test_float32_eager_and_compiled_agree():
     for prompt in prompts:
         expected = generate(eager, prompt, 16).tokens[0]
         assert_same_greedy(eager, prompt, generate(compiled, prompt, 16, steps=steps).tokens[0], expected, TOLERANCE)
+
+
+def test_prompt_lookup_gives_the_greedy_tokens():
+    """generate(..., ngram=True) on the test prompts, eager and compiled, as generate.py --ngram runs it: plain
+    decoding's greedy tokens (the verify pass rounds differently from a one-token step: a near-tie may part them)."""
+    tokenizer = load_tokenizer(SMOLLM2_DIR)
+    prompts = [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
+    for compiled in (False, True):
+        model = load_model(SMOLLM2_DIR, kernels=Kernels.choose(CPU, compiled))
+        steps = compile_steps(CPU) if compiled else Steps()
+        model.setup_caches(1, max(map(len, prompts)) + 24 + 3)  # one cache for every prompt: one graph a depth
+        verified = 0
+        for prompt in prompts:
+            expected = generate(model, prompt, 24, steps=steps).tokens[0]
+            result = generate(model, prompt, 24, steps=steps, ngram=True, speculate_k=2, round_costs=EVERY_ROUND)
+            assert_same_greedy(model, prompt, result.tokens[0], expected, TOLERANCE)
+            verified += sum(result.speculation["depth_histogram"][1:])
+        assert verified > len(prompts)  # proposals were verified
 
 
 def test_native_kernels_perplexity_in_decode_shaped_steps(native_ops):

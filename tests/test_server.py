@@ -1,6 +1,7 @@
 """server.py: the OpenAI API through the official client, continuous batching, disconnects, bad input, the chat page."""
 
 import contextlib
+import functools
 import itertools
 import json
 import queue
@@ -39,6 +40,7 @@ from eval import text_logprobs
 from generate import generate, load_model
 from grammar import grammar_vocabulary, new_matcher, regex_grammar
 from sampling import SamplingParams
+from speculate import depth_choices
 from tokenizer import load_tokenizer
 
 KEY = "test-key"
@@ -931,12 +933,14 @@ def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
     assert counters["stats"]["unique_graphs"] == 0
 
 
-def run_wave(engine, tokenizer, prompts, lengths, params, matchers=None) -> list[str]:
+def run_wave(engine, tokenizer, prompts, lengths, params, matchers=None, predictions=None) -> list[str]:
     """Submits one choice per prompt (text or token ids) to a running engine at once; their texts."""
     events = queue.Queue()
     choices = [
-        Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put, matcher=m)
-        for i, (p, n, q, m) in enumerate(zip(prompts, lengths, params, matchers or [None] * len(prompts)))
+        Choice(i, tokenizer.encode(p) if isinstance(p, str) else p, n, q, [], None, events.put, matcher=m, prediction=r)
+        for i, (p, n, q, m, r) in enumerate(
+            zip(prompts, lengths, params, matchers or [None] * len(prompts), predictions or [None] * len(prompts))
+        )
     ]
     engine.submit(choices)
     texts, done = [""] * len(choices), 0
@@ -1190,6 +1194,11 @@ def unrelated_draft(tiny_tokenizer_json, tmp_path_factory) -> Path:
     return folder / "draft" / "model.pth"
 
 
+def deepest(slots: int, k: int) -> dict[int, dict[int, float]]:
+    """An engine's round costs that make every step draft as many tokens as it can: all depths cost alike."""
+    return {n: dict.fromkeys(depth_choices(k), 1.0) for n in range(1, slots + 1)}
+
+
 @pytest.mark.parametrize("draft_name", ["itself", "unrelated"])
 def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unrelated_draft, draft_name):
     """With a draft, each greedy request still gets its own greedy text, whether the draft agrees with the model
@@ -1199,7 +1208,7 @@ def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unr
     model = load_model(tiny_checkpoint / "model.pth")
     tokenizer = load_tokenizer(tiny_checkpoint)
     draft = load_model(tiny_checkpoint / "model.pth" if draft_name == "itself" else unrelated_draft)
-    engine = Engine(model, tokenizer, 4, 256, Steps(), max_queue=8, draft=draft, speculate_k=3)
+    engine = Engine(model, tokenizer, 4, 256, Steps(), 8, draft, speculate_k=3, round_costs=deepest(4, 3))
     engine.thread.start()
     reference = load_model(tiny_checkpoint / "model.pth")
     alone = lambda p, n, q=SamplingParams(): Stream(reference, tokenizer, p, n, sampling=q).run().texts[0]  # noqa: E731
@@ -1242,16 +1251,18 @@ def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unr
 
 def test_compiled_speculative_engine_compiles_only_before_serving(tiny_checkpoint, unrelated_draft):
     """Compiled, with a draft: warm_up compiles, per batch size (1, 2) and greedy or sampled, the decode step,
-    the draft's steps of two tokens and of one, and the verification; then requests (more than the slots,
+    the draft's steps of two tokens and of one, and the verification at each depth; then requests (more than the slots,
     greedy, sampled and with penalties, whose steps are plain decode steps) compile nothing more, and each
     greedy one gets its greedy text alone."""
     model, draft = load_model(tiny_checkpoint / "model.pth"), load_model(unrelated_draft)
     tokenizer = load_tokenizer(tiny_checkpoint)
-    engine = Engine(model, tokenizer, 2, 256, compile_steps(torch.device("cpu")), 8, draft, speculate_k=3)
+    steps = compile_steps(torch.device("cpu"))
+    engine = Engine(model, tokenizer, 2, 256, steps, 8, draft, speculate_k=3, round_costs=deepest(2, 3))
     counters = torch._dynamo.utils.counters
     counters.clear()
     engine.warm_up()
-    assert counters["stats"]["unique_graphs"] == 2 * 2 * 4 and not counters["graph_break"]
+    # per batch size and greedy or sampled: the decode step, the draft's steps, the verification of 2 and 3 drafts
+    assert counters["stats"]["unique_graphs"] == 2 * 2 * 5 and not counters["graph_break"]
     counters.clear()
     engine.thread.start()
     greedy, hot, penalized = (
@@ -1261,13 +1272,79 @@ def test_compiled_speculative_engine_compiles_only_before_serving(tiny_checkpoin
     )
     lengths = [140, 9, 230, 30]
     texts = run_wave(engine, tokenizer, PROMPTS[:4], lengths, [greedy, hot, greedy, penalized])
-    assert counters["stats"]["unique_graphs"] == 0 and engine.speculation.rounds > 0
+    assert counters["stats"]["unique_graphs"] == 0 and sum(engine.speculation.histogram) > 0
     reference = load_model(tiny_checkpoint / "model.pth")
     alone = lambda p, n, q: Stream(reference, tokenizer, p, n, sampling=q).run().texts[0]  # noqa: E731
     assert texts[::2] + texts[3:] == [
         alone(p, n, q)
         for p, n, q in zip(PROMPTS[0:4:2] + PROMPTS[3:4], lengths[::2] + lengths[3:], [greedy, greedy, penalized])
     ]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_prompt_lookup_engine_gives_each_request_its_own_text(tiny_checkpoint, compiled):
+    """Prompt lookup (ngram): rows draft from their context and their prediction, one depth for the step. A
+    request whose prediction is its own greedy text keeps most drafts; requests with penalties or a grammar, which
+    speculation does not cover, take the same steps with no drafts; each gets its own text. Compiled, warm_up
+    compiles a verification per batch size and depth, and requests compile nothing more."""
+    model, tokenizer = load_model(tiny_checkpoint / "model.pth"), load_tokenizer(tiny_checkpoint)
+    vocabulary = grammar_vocabulary(tiny_checkpoint / "tokenizer.json", model.config.vocab_size, tokenizer.eos_ids)
+    steps = compile_steps(torch.device("cpu")) if compiled else Steps()
+    torch._dynamo.reset()  # the graphs of the engines before, which count towards the limit of graphs per function
+    engine = Engine(
+        model, tokenizer, 4, 256, steps, 8, speculate_k=4, vocabulary=vocabulary, ngram=True, round_costs=deepest(4, 4)
+    )
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    engine.warm_up()
+    if compiled:  # per batch size (1, 2, 4), greedy or sampled: the decode step and the verification of 2 and 4 drafts
+        assert counters["stats"]["unique_graphs"] == 3 * 2 * 3 and not counters["graph_break"]
+    counters.clear()
+    engine.thread.start()
+    reference = load_model(tiny_checkpoint / "model.pth")
+    alone = lambda p, n, q=SamplingParams(): Stream(reference, tokenizer, p, n, sampling=q).run()  # noqa: E731
+    greedy, penalized = SamplingParams(), SamplingParams(repetition_penalty=1.3)
+    lengths = [40, 30, 40, 25]
+    expected = alone(PROMPTS[0], 40)
+    word = new_matcher(regex_grammar("[a-z]{3,12}"), vocabulary)
+    texts = run_wave(
+        engine,
+        tokenizer,
+        PROMPTS[:4],
+        lengths,
+        [greedy, penalized, greedy, greedy],
+        [None, None, word, None],
+        [expected.tokens[0], None, None, None],
+    )
+    assert texts[0] == expected.texts[0] and texts[3] == alone(PROMPTS[3], 25).texts[0]
+    assert texts[1] == alone(PROMPTS[1], 30, penalized).texts[0] and re.fullmatch("[a-z]{3,12}", texts[2])
+    assert engine.speculation.kept >= 30  # the predicted request's, most of its 39 after the first
+    assert engine.step_depths[4] > 0 and sum(engine.step_depths) == engine.counts["decode_steps"]
+    assert counters["stats"]["unique_graphs"] == 0
+
+
+def test_prompt_lookup_server_takes_predictions(chat_checkpoint, tmp_path):
+    """server.py --ngram: a chat request's prediction (OpenAI's predicted outputs) is a source of drafts; the
+    answer is the same with it or without it, and a prediction of the answer itself is mostly kept. A malformed
+    prediction is a 400 naming the field."""
+    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--ngram")
+    try:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        ask = functools.partial(
+            api.chat.completions.create, model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], temperature=0
+        )
+        plain = ask(max_tokens=32).choices[0].message.content
+        kept = httpx.get(url + "/health").json()["speculation"]["acceptance_rate"]
+        predicted = ask(max_tokens=32, prediction={"type": "content", "content": plain})
+        assert predicted.choices[0].message.content == plain
+        speculation = httpx.get(url + "/health").json()["speculation"]
+        assert speculation["draft"] == "prompt lookup" and speculation["acceptance_rate"] > kept
+        for bad in ({"type": "text", "content": "x"}, {"type": "content"}, "x"):
+            with pytest.raises(openai.BadRequestError) as error:
+                ask(max_tokens=4, prediction=bad)
+            assert error.value.body["param"] == "prediction"
+    finally:
+        stop_server(process, log)
 
 
 def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelated_draft, reference, tmp_path):
@@ -1291,12 +1368,17 @@ def test_speculative_server_answers_as_the_model_alone(chat_checkpoint, unrelate
         for prompt, answer in (answers.get() for _ in prompts):
             expected = greedy_reference(reference, reference[1].encode(prompt), 24)
             assert (answer.choices[0].text, answer.choices[0].finish_reason) == expected
+        # What the depth controller chose, from the round costs measured at start: in /health and /metrics alike.
         speculation = httpx.get(url + "/health").json()["speculation"]
-        assert speculation["speculate_k"] == 3 and sum(speculation["accepted_length_histogram"]) > 0
+        assert speculation["speculate_k"] == 3 and set(speculation["round_costs_s"]["4"]) == {"0", "2", "3"}
         samples = metric_samples(url)
         drafted = samples[("gptfast_speculative_drafted_tokens_total", ())]
-        assert drafted == 3 * sum(speculation["accepted_length_histogram"])
-        assert samples[("gptfast_speculative_accepted_tokens_total", ())] / drafted == speculation["acceptance_rate"]
+        assert drafted == sum(d * rounds for d, rounds in enumerate(speculation["depth_histogram"]))
+        assert samples[("gptfast_speculative_accepted_tokens_total", ())] == round(
+            speculation["acceptance_rate"] * drafted
+        )
+        steps = [samples[("gptfast_speculative_steps_total", (("depth", str(d)),))] for d in range(4)]
+        assert steps == speculation["step_depths"] and sum(steps) == samples[("gptfast_decode_steps_total", ())]
     finally:
         stop_server(process, log)
     refused = subprocess.run(

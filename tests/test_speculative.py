@@ -1,6 +1,8 @@
-"""Speculative decoding: greedy output equals the target's, sampled output follows the target's distribution."""
+"""Speculative decoding, with a draft model or by prompt lookup: greedy output equals the target's, sampled output
+follows the target's distribution, and the depth controller speculates only where it pays."""
 
 import functools
+import random
 import shutil
 
 import numpy as np
@@ -17,6 +19,7 @@ from decode import compile_steps, verify_step
 from kernels import Kernels
 from model import Transformer
 from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_state, set_row
+from speculate import NGRAM_MAX, NGRAM_MIN, Acceptance, NgramIndex, choose_depth, depth_choices, expected_tokens
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,13 @@ def device_pairs(pair_files, device):
 
 
 PROMPT = [5, 17, 42, 7, 99]
+
+
+def deepest(k: int) -> dict[int, float]:
+    """Round costs that make a controller draft as many tokens as it can: all depths cost alike."""
+    return dict.fromkeys(depth_choices(k), 1.0)
+
+
 # The target's verify pass (k + 1 positions) and plain decoding (one) differ by rounding: ~1e-6 in float32 logits.
 MARGIN = 1e-4
 
@@ -59,7 +69,7 @@ def test_greedy_equals_plain_decoding(device_pairs, draft_name):
     plain = gen.generate(target, PROMPT, 40).tokens[0]
     accepted = {}
     for k in (1, 2, 4, 8):
-        result = gen.generate(target, PROMPT, 40, draft_model=drafts[draft_name], speculate_k=k)
+        result = gen.generate(target, PROMPT, 40, draft_model=drafts[draft_name], speculate_k=k, round_costs=deepest(k))
         assert_same_greedy(target, PROMPT, result.tokens[0], plain, MARGIN)
         accepted[k] = result.speculation["acceptance_rate"]
     if draft_name == "int8 copy":
@@ -74,11 +84,12 @@ def test_compiled_greedy_equals_plain_without_recompiling(pair_files, device):
     steps = compile_steps(device)
     for draft in drafts.values():
         for k in (8, 4, 2, 1):  # the first sizes the caches for all: one graph per k, and per draft
-            result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, steps=steps)
+            costs = deepest(k)
+            result = gen.generate(target, PROMPT, 40, draft_model=draft, speculate_k=k, steps=steps, round_costs=costs)
             assert_same_greedy(target, PROMPT, result.tokens[0], plain, MARGIN)
     # Every shape has been seen: another run, rounds included, must not compile anything.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        again = gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], speculate_k=4, steps=steps).tokens[0]
+        again = gen.generate(target, PROMPT, 40, draft_model=drafts["int8 copy"], steps=steps).tokens[0]
     assert_same_greedy(target, PROMPT, again, plain, MARGIN)
 
 
@@ -128,7 +139,10 @@ def chi_square_rejects(samples: np.ndarray, expected: np.ndarray) -> bool:
 
 def speculative_samples(target, draft, prompt, runs) -> np.ndarray:
     params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(runs)]
-    return np.array([gen.speculative_generate(target, draft, prompt, 3, p, 2).tokens[0][1:3] for p in params])
+    costs = {0: 1.0, 1: 1.0, 2: 1.0}  # equal: every round drafts 2
+    return np.array(
+        [gen.speculative_generate(target, draft, prompt, 3, p, 2, round_costs=costs).tokens[0][1:3] for p in params]
+    )
 
 
 def test_sampled_tokens_follow_the_target_distribution():
@@ -181,6 +195,29 @@ def test_acceptance_rule_treats_each_row_alone():
     assert kept[:2].tolist() == [k, k] and kept[2:].min() < k
 
 
+def test_padded_drafts_are_never_kept():
+    """Rows with fewer drafts than the round's depth (lengths) get what the rule gives them with only their own
+    drafts: the padding is never kept, even where the target would take it."""
+    generator = torch.Generator().manual_seed(1)
+    rows, k, vocab = 5, 4, 16
+    p = torch.softmax(torch.randn(rows, k, vocab, generator=generator), dim=-1)
+    q = torch.softmax(torch.randn(rows, k + 1, vocab, generator=generator), dim=-1)
+    q[:, :k] = p  # every draft would be kept
+    drafted = torch.multinomial(p.view(-1, vocab), 1, generator=generator).view(rows, k)
+    uniforms, noise = (
+        torch.rand(rows, k, generator=generator),
+        torch.empty(rows, vocab).exponential_(generator=generator),
+    )
+    lengths = torch.tensor([0, 1, 2, 3, 4])
+    kept, next_token = accept_drafts(drafted, p, q, uniforms, noise, lengths)
+    assert kept.tolist() == lengths.tolist()
+    assert int(next_token[0]) == int(torch.argmax(q[0, 0] / noise[0]))  # no drafts: a token drawn from q
+    for i, n in enumerate(lengths.tolist()[1:], start=1):
+        row = slice(i, i + 1)
+        alone = accept_drafts(drafted[row, :n], p[row, :n], q[row, : n + 1], uniforms[row, :n], noise[row])
+        assert int(alone[0]) == n and int(alone[1]) == int(next_token[i])
+
+
 def test_verify_step_applies_each_rows_settings(pairs):
     """A server verifies rows of different requests in one pass: each row's distributions are the ones its own
     settings give it alone (temperature 0 among sampled rows: one-hot at the argmax)."""
@@ -224,3 +261,135 @@ def test_bad_speculation_requests(pairs):
         gen.generate(target, PROMPT, 10, draft_model=tiny_vocab_model(0, 1))
     with pytest.raises(ValueError, match="block_size"):
         gen.generate(target, PROMPT, 250, draft_model=draft, speculate_k=8)
+    with pytest.raises(ValueError, match="not both"):
+        gen.generate(target, PROMPT, 10, draft_model=draft, ngram=True)
+    with pytest.raises(ValueError, match="depth 0"):
+        gen.generate(target, PROMPT, 10, ngram=True, round_costs={2: 1.0})
+
+
+# ---------------------------------------------------------------- prompt lookup and the depth controller
+
+REPEATING = PROMPT * 3  # a prompt whose continuation prompt lookup can guess: the tiny model repeats
+
+
+def latest_continuation(tokens: list[int], k: int) -> list[int]:
+    """Prompt lookup by search: for the longest suffix of NGRAM_MIN..NGRAM_MAX tokens that occurs earlier with a
+    token after it, the k tokens after its latest such occurrence, in the sequence extended by them as they come."""
+    for n in range(min(NGRAM_MAX, len(tokens)), NGRAM_MIN - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[len(tokens) :]
+    return []
+
+
+def test_prompt_lookup_continues_the_latest_occurrence_of_the_longest_suffix():
+    assert NgramIndex([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 1, 2, 3]).propose(2) == [7, 5]  # not after 2 3 (1 2 3)
+    assert NgramIndex([4, 1, 2, 3]).propose(3) == []
+    assert NgramIndex([5, 7, 7, 7]).propose(4) == [7, 7, 7, 7] and NgramIndex([1, 2, 1, 2]).propose(3) == [1, 2, 1]
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(5) for _ in range(rng.randrange(1, 40))]
+        split = rng.randrange(len(tokens) + 1)
+        index = NgramIndex(tokens[:split])  # a prompt, then what is generated
+        index.extend(tokens[split:])
+        for k in (1, 3, 6):
+            assert index.propose(k) == latest_continuation(tokens, k), (tokens, k)
+
+
+@pytest.mark.numerics
+def test_greedy_with_prompt_lookup_equals_plain_decoding(device):
+    """A model of 16 tokens that falls into repeating its output, as small models do: many proposals hold."""
+    model = tiny_vocab_model(0, 2).to(device)
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5]
+    plain = gen.generate(model, prompt, 40).tokens[0]
+    steps = compile_steps(device)
+    for model_steps in (gen.Steps(), steps):
+        # first, with the round costs measured (each depth's round compiles) and the caches sized for all runs
+        measured = gen.generate(model, prompt, 40, ngram=True, speculate_k=6, steps=model_steps).tokens[0]
+        assert_same_greedy(model, prompt, measured, plain, MARGIN)
+        for k in (6, 4, 1):
+            costs = deepest(k)
+            result = gen.generate(model, prompt, 40, ngram=True, speculate_k=k, round_costs=costs, steps=model_steps)
+            assert_same_greedy(model, prompt, result.tokens[0], plain, MARGIN)
+            figures = result.speculation
+            # kept far more often than a token drawn from the 16 at random would be
+            assert figures["draft"] == "prompt lookup" and figures["acceptance_rate"] > 0.25, figures
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a graph per depth, all compiled by now
+        again = gen.generate(model, prompt, 40, ngram=True, speculate_k=4, steps=steps).tokens[0]
+    assert_same_greedy(model, prompt, again, plain, MARGIN)
+
+
+def lookup_samples(target, prompt, runs) -> np.ndarray:
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in range(runs)]
+    costs = {0: 1.0, 1: 1.0, 2: 1.0}  # equal: every round drafts what prompt lookup has, up to 2
+    return np.array(
+        [gen.speculative_generate(target, None, prompt, 3, p, 2, round_costs=costs).tokens[0][1:3] for p in params]
+    )
+
+
+def test_sampling_with_prompt_lookup_follows_the_target_distribution(monkeypatch):
+    """A proposal is a one-hot draft distribution: the acceptance rule keeps the target's distribution. The prompt
+    holds every token, so every round has a proposal; a rule that keeps every proposal fails the same test."""
+    target = tiny_vocab_model(0, 2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5, 0] + [
+        10,
+        11,
+        12,
+        13,
+        14,
+        15,
+        1,
+    ]
+    second, third = exact_marginals(target, prompt)
+    samples = lookup_samples(target, prompt, 2500)
+    assert not chi_square_rejects(samples[:, 0], second) and not chi_square_rejects(samples[:, 1], third)
+
+    def keep_all(drafted, p, q, uniforms, noise, lengths):
+        return lengths, torch.argmax(q[torch.arange(drafted.shape[0]), lengths] / noise, dim=-1)
+
+    monkeypatch.setattr(gen, "accept_drafts", keep_all)
+    wrong = lookup_samples(target, prompt, 2500)
+    assert chi_square_rejects(wrong[:, 0], second) or chi_square_rejects(wrong[:, 1], third)
+
+
+def test_depth_follows_the_acceptance_seen():
+    assert expected_tokens(0.6, 4) == pytest.approx((1 - 0.6**5) / (1 - 0.6))
+    costs = {0: 1.0, 2: 1.2, 4: 1.3}
+    acceptance = Acceptance()
+    assert choose_depth(costs, [(acceptance, 4)]) == 4  # 1/2 before any evidence: 1.94 / 1.3 > 1.75 / 1.2 > 1
+    for _ in range(30):
+        acceptance.record(kept=0, tried=1)  # proposals the target never takes
+    assert choose_depth(costs, [(acceptance, 4)]) == 0
+    for _ in range(30):
+        acceptance.record(kept=1, tried=1)
+    assert choose_depth(costs, [(acceptance, 4)]) == 4
+    assert choose_depth(costs, [(acceptance, 1)]) == 2  # one draft, padded: 1.88 / 1.2 > 1
+    assert choose_depth(costs, [(acceptance, 0)]) == 0
+    # A batch: rows without drafts yield their one token at any depth, which weighs against a dearer round.
+    assert choose_depth(costs, [(acceptance, 4)] + [(Acceptance(), 0)] * 3) == 4
+    assert choose_depth(costs, [(acceptance, 4)] + [(Acceptance(), 0)] * 15) == 0
+    for _ in range(30):
+        acceptance.record(kept=0, tried=1)
+    # With no evidence, what it saw fades towards 1/2: it tries speculating again.
+    quiet_rounds = next(i for i in range(1, 1000) if acceptance.record(0, 0) or choose_depth(costs, [(acceptance, 4)]))
+    assert 5 < quiet_rounds < 60
+
+
+def test_dear_verification_decodes_plainly_step_for_step():
+    """Round costs where verifying any drafts costs more than the most tokens it could yield: every round is a
+    plain decode step, and the tokens are exactly plain decoding's (the same step, not the verify pass). Where
+    verifying is cheap and proposals hold, rounds speculate, and keep most drafts."""
+    model, draft = tiny_vocab_model(0, 2), tiny_vocab_model(1, 1)
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5]
+    plain = gen.generate(model, prompt, 30).tokens[0]
+    dear = {0: 1.0, 2: 3.5, 4: 5.5}
+    for drafts in (dict(ngram=True), dict(draft_model=draft)):
+        result = gen.generate(model, prompt, 30, round_costs=dear, **drafts)
+        assert result.tokens[0] == plain and result.speculation["depth_histogram"] == [29, 0, 0, 0, 0]
+    cheap = {0: 1.0, 2: 1.05, 4: 1.1}
+    result = gen.generate(model, prompt, 30, ngram=True, round_costs=cheap)
+    assert_same_greedy(model, prompt, result.tokens[0], plain, MARGIN)
+    assert result.speculation["depth_histogram"][4] > 0 and result.speculation["acceptance_rate"] > 0.5
