@@ -60,7 +60,7 @@ from tokenizer import Tokenizer
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs at most (OpenAI's limit); a decode step computes this many for all rows
 STEP_LOG = 4096  # the latest steps Engine.steps_taken keeps
 PREFILL_PADDING = 32  # padded positions a prefill call may compute for nothing: fewer than a pass over the weights
-IDLE_WINDOW = 256  # the attention window of the steps warm_up runs and measure_round_costs times: a short chat's
+IDLE_WINDOW = 256  # the attention window of warm_up's steps, which measure_round_costs times: a short chat's length
 log = logging.getLogger("server")
 
 
@@ -571,8 +571,10 @@ class Engine:
         for i in rows:
             if self.speculation is not None:
                 self.speculation.record(0, 0)
-            if proposals and proposals[i]:
+            if proposals and proposals[i]:  # prompt lookup's proposal, not taken: still checked
                 self.slots[i].acceptance.record(int(proposals[i][0] == host[i]), 1)
+            elif self.draft is not None:  # no evidence: what was seen fades, and speculation is tried again in time
+                self.slots[i].acceptance.record(0, 0)
             self.cached[i].append(self.last[i])
             self.draft_cached[i] = len(self.cached[i])
             self.last[i] = host[i]

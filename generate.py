@@ -217,8 +217,10 @@ def speculative_generate(
             refill_noise(s_target, params, generator)
             token, _ = steps.decode(model, cur, at, no_pad, s_target, greedy, None, window)
             emitted, kept, drafts = [int(token)], 0, 0
-            # a proposal not taken is still checked, so that prompt lookup's acceptance follows the text
-            acceptance.record(int(proposal[:1] == emitted), len(proposal[:1]))
+            if draft is not None:  # no evidence: what was seen fades, and speculation is tried again in time
+                acceptance.record(0, 0)
+            elif proposal:  # a proposal not taken is still checked, so that its acceptance follows the text
+                acceptance.record(int(proposal[0] == emitted[0]), 1)
         else:
             if draft is None:
                 drafted, p, lengths = lookup_drafts([proposal], depth, vocab_size, device)

@@ -24,7 +24,7 @@ from torch import Tensor
 NGRAM_MAX = 4  # the longest suffix looked up: a longer match is likelier to continue the same way
 NGRAM_MIN = 2  # one token matches too often to say much: its proposals are mostly wrong
 DEPTHS = (0, 2, 4, 6)  # the depths a controller chooses from, up to speculate_k: few, each a compiled verify shape
-ACCEPTANCE_MEMORY = 0.9  # an observation's weight one round later: the acceptance follows what the text does now
+ACCEPTANCE_MEMORY = 0.9  # an observation's weight at the next: the acceptance follows what the text does now
 COST_REPEATS = 5  # timed rounds per depth (their median), after one that compiles and warms up
 
 
@@ -81,7 +81,9 @@ def expected_tokens(acceptance: float, depth: int) -> float:
 
 @dataclass
 class Acceptance:
-    """How often a sequence's drafts are kept, lately: each observation weighs ACCEPTANCE_MEMORY less a round later."""
+    """How often a sequence's drafts are kept, lately: each observation weighs ACCEPTANCE_MEMORY less at the next.
+    Prompt lookup observes where it has a proposal, verified or not; a draft model observes every round, a plain
+    one being an observation of nothing, through which what was seen fades."""
 
     kept: float = 0.0
     tried: float = 0.0
