@@ -203,9 +203,9 @@ class Engine:
         """A step of rows 0..n-1, all idle, at depth (warm_up, measure_round_costs); waits for it. Each group of
         rows attends to a window of another length: a graph compiled for groups of equal windows would assume them
         equal (and compile again when they are not)."""
-        state, positions = self.state_rows(slice(0, n)), self.positions(n)
-        ends = [min(IDLE_WINDOW + VECTOR_STEP * g, self.idle_position) for g in range(window_groups(n, self.device))]
-        windows = attention_windows(ends, self.horizon + 1, self.device)
+        state, positions, groups = self.state_rows(slice(0, n)), self.positions(n), window_groups(n, self.device)
+        shortest = max(0, min(IDLE_WINDOW, self.horizon - 1 - VECTOR_STEP * groups))  # all within the cache
+        windows = attention_windows([shortest + VECTOR_STEP * g for g in range(groups)], self.horizon + 1, self.device)
         if depth == 0:
             token = self.decode_step(n, state, positions, greedy, None, windows)[0]
         elif self.draft is not None:

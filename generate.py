@@ -232,8 +232,11 @@ def speculative_generate(
                     model, draft, steps, depth, cur, (cur, at), s_target, s_draft, greedy, draft_noise, window
                 )
                 lengths = None
-            uniforms = torch.rand(1, depth, device=device, generator=generator)
-            noise = torch.empty(1, vocab_size, device=device).exponential_(generator=generator)
+            if greedy:  # q is one-hot: a draft is kept where it agrees, and the next token is q's
+                uniforms, noise = torch.zeros(1, depth, device=device), torch.ones(1, vocab_size, device=device)
+            else:
+                uniforms = torch.rand(1, depth, device=device, generator=generator)
+                noise = torch.empty(1, vocab_size, device=device).exponential_(generator=generator)
             n_kept, next_token = accept_drafts(drafted, p, q, uniforms, noise, lengths)
             host = torch.cat([n_kept, next_token, drafted[0]]).tolist()  # the round's one sync
             kept, drafts = host[0], depth if draft is not None else min(depth, len(proposal))

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 NGRAM_MAX = 4  # the longest suffix looked up: a longer match is likelier to continue the same way
@@ -65,7 +64,8 @@ def lookup_drafts(proposals: list[list[int]], depth: int, vocab_size: int, devic
     (sampling.accept_drafts' lengths)."""
     lengths = [min(len(p), depth) for p in proposals]
     drafted = torch.tensor([p[:n] + [0] * (depth - n) for p, n in zip(proposals, lengths)], device=device)
-    return drafted, F.one_hot(drafted, vocab_size).float(), torch.tensor(lengths, device=device)
+    one_hot = torch.zeros(*drafted.shape, vocab_size, device=device).scatter_(-1, drafted[..., None], 1.0)
+    return drafted, one_hot, torch.tensor(lengths, device=device)
 
 
 def depth_choices(k: int) -> tuple[int, ...]:

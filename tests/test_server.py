@@ -276,7 +276,6 @@ def test_every_openai_field_is_honoured_refused_or_documented(server):
         "best_of": 2,
         "audio": {"voice": "alloy", "format": "wav"},
         "modalities": ["text", "audio"],
-        "prediction": {"type": "content", "content": "x"},
         "web_search_options": {},
     }
     idle = {
