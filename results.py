@@ -59,9 +59,8 @@ class Speculation:
     def __post_init__(self):
         self.histogram, self.depths = [0] * (self.k + 1), [0] * (self.k + 1)
 
-    def record(self, kept: int, depth: int | None = None):
-        """One round: depth drafted (default k), kept of them accepted."""
-        depth = self.k if depth is None else depth
+    def record(self, kept: int, depth: int):
+        """One round: depth drafted, kept of them accepted."""
         self.rounds, self.drafted, self.kept = self.rounds + 1, self.drafted + depth, self.kept + kept
         self.depths[depth] += 1
         if depth:

@@ -24,7 +24,7 @@ NGRAM_MAX = 4  # the longest suffix looked up: a longer match is likelier to con
 NGRAM_MIN = 2  # one token matches too often to say much: its proposals are mostly wrong
 DEPTHS = (0, 2, 4, 6)  # the depths a controller chooses from, up to speculate_k: few, each a compiled verify shape
 ACCEPTANCE_MEMORY = 0.9  # an observation's weight at the next: the acceptance follows what the text does now
-COST_REPEATS = 5  # timed rounds per depth (their median), after one that compiles and warms up
+COST_REPEATS = 5  # timed passes over the depths (each depth's least time), after one that compiles and warms up
 
 
 class NgramIndex:
