@@ -321,6 +321,33 @@ def draft_and_verify(
     return drafted, torch.stack(probs, dim=1), q
 
 
+@torch.no_grad()
+def plain_steps(
+    model,
+    steps: Steps,
+    token: Tensor,
+    position: int,
+    n: int,
+    s: SamplerState,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    max_seq_length: int,
+) -> Tensor:
+    """n decode steps of one sequence from its current token [1, 1] at position, each reading the one before's token
+    where it lies, on the device: nothing waits for the device in between. Returns the tokens made [1, n]."""
+    device = token.device
+    # filled on the device: a tensor copied from the host would wait for the device
+    at, no_pad, made = torch.full((1,), position, device=device), torch.zeros(1, dtype=torch.long, device=device), []
+    for i in range(n):
+        refill_noise(s, params, generator)
+        window = attention_window(position + i, max_seq_length, device)
+        token, _ = steps.decode(model, token, at, no_pad, s, params.greedy, None, window)
+        token = token.clone()  # a copy: CUDA graphs reuse their output buffers on the next call
+        made.append(token)
+        at = at + 1
+    return torch.cat(made, dim=1)
+
+
 def check_prompts(prompts) -> list[list[int]]:
     """One prompt (a list of ids or a 1-D tensor) or a list of them -> a list of id lists."""
     if isinstance(prompts, Tensor):

@@ -47,6 +47,7 @@ from decode import (
     draft_and_verify,
     ensure_caches,
     inductor_cache_dir,
+    plain_steps,
     token_steps,
 )
 from kernels import MATVECS, Kernels, set_kernels
@@ -70,6 +71,7 @@ from speculate import (
     depth_choices,
     lookup_drafts,
     measure_round_costs,
+    plain_rounds,
 )
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -209,25 +211,34 @@ def speculative_generate(
         and not stopped(tokens, prompt, stop, tokenizer)
     ):
         pos, cur = len(tokens) - 1, torch.tensor([tokens[-1:]], device=device)
-        at = torch.tensor([pos], device=device)
         proposal = index.propose(k) if index is not None else []
         depth = choose_depth(round_costs, [(acceptance, k if draft is not None else len(proposal))])
-        window = attention_window(pos + depth, max_seq_length, device)  # writes to pos + depth
         if depth == 0:
-            refill_noise(s_target, params, generator)
-            token, _ = steps.decode(model, cur, at, no_pad, s_target, greedy, None, window)
-            emitted, kept, drafts = [int(token)], 0, 0
+            # A draft model's plain rounds observe nothing, so the controller's next choices are known already: the
+            # plain rounds in a row run chained on the device, with a host sync every CHECK_INTERVAL as in plain
+            # decoding, not one a round (a GPU idles during each).
+            left = min(max_new_tokens - (len(tokens) - len(prompt)), CHECK_INTERVAL)
+            rounds = 1 if draft is None else plain_rounds(round_costs, acceptance, k, left)
+            made = plain_steps(model, steps, cur, pos, rounds, s_target, params, generator, max_seq_length)
+            emitted = made[0].tolist()  # the rounds' one sync
+            emitted = emitted[: next((i + 1 for i, t in enumerate(emitted) if t in eos), rounds)]
+            kept, drafts = 0, 0
             if draft is not None:  # no evidence: what was seen fades, and speculation is tried again in time
-                acceptance.record(0, 0)
+                for _ in emitted:
+                    acceptance.record(0, 0)
             elif proposal:  # a proposal not taken is still checked, so that its acceptance follows the text
                 acceptance.record(int(proposal[0] == emitted[0]), 1)
+            for _ in emitted[1:]:  # the run's rounds but the last, which is recorded below
+                stats.record(0, 0)
         else:
+            window = attention_window(pos + depth, max_seq_length, device)  # writes to pos + depth
             if draft is None:
                 drafted, p, lengths = lookup_drafts([proposal], depth, vocab_size, device)
                 verify_at = pos + torch.arange(depth + 1, device=device)
                 q = steps.verify(model, torch.cat([cur, drafted], dim=1), verify_at, s_target, greedy, window)
             else:
                 draft_cached = catch_up(draft, steps, tokens, draft_cached, s_draft, greedy, max_seq_length)
+                at = torch.tensor([pos], device=device)
                 drafted, p, q = draft_and_verify(
                     model, draft, steps, depth, cur, (cur, at), s_target, s_draft, greedy, draft_noise, window
                 )

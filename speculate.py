@@ -117,6 +117,18 @@ def choose_depth(costs: dict[int, float], rows: list[tuple[Acceptance, int]]) ->
     return max(costs, key=lambda d: (tokens_per_second(d), -d))
 
 
+def plain_rounds(costs: dict[int, float], acceptance: Acceptance, available: int, limit: int) -> int:
+    """How many plain rounds in a row, at least one and at most limit, choose_depth picks for a sequence whose plain
+    rounds observe nothing (a draft model's: each fades its acceptance), the first already picked. They need no
+    look at the tokens in between, so they run queued on the device (decode.plain_steps)."""
+    fading, rounds = Acceptance(acceptance.kept, acceptance.tried), 1
+    fading.record(0, 0)
+    while rounds < limit and choose_depth(costs, [(fading, available)]) == 0:
+        fading.record(0, 0)
+        rounds += 1
+    return rounds
+
+
 def measure_round_costs(run_round: Callable[[int], None], depths: tuple[int, ...]) -> dict[int, float]:
     """Seconds of a round at each depth: run_round(depth) runs one and waits for it. Each depth's first call
     compiles and warms up; then COST_REPEATS passes over all depths in turn, each depth's least time kept (what

@@ -1,14 +1,16 @@
 """The compiled decode step: the tokens of eager, for batches too, with no recompilation across steps or sampling
 values."""
 
+import contextlib
+
 import pytest
 import torch
 import torch._dynamo
 
 from conftest import assert_same_greedy
-from decode import compile_steps, token_steps
+from decode import compile_steps, plain_steps, token_steps
 from generate import generate, load_model
-from sampling import SamplingParams
+from sampling import SamplingParams, sampler_state
 
 pytestmark = pytest.mark.numerics
 
@@ -58,21 +60,36 @@ def test_compiled_equals_eager_without_recompiling(tiny_checkpoint, device):
 
 def test_compiled_decode_steps_never_wait_for_the_gpu(tiny_checkpoint, device):
     """Between the host's looks at the tokens, compiled decode steps (CUDA graphs) only queue work: CUDA's sync debug
-    mode makes any call that waits for the GPU an error."""
+    mode makes any call that waits for the GPU an error. So do speculative decoding's plain rounds in a row."""
     if device.type != "cuda":
         pytest.skip("waiting for the device is a CUDA matter: a CPU step computes as it is called")
     model = load_model(tiny_checkpoint, device)
+    steps = compile_steps(device)
     for sampling in (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=0)):
-        produced = token_steps(model, PROMPTS[:2], 24, sampling, compile_steps(device))
+        produced = token_steps(model, PROMPTS[:2], 24, sampling, steps)
         for _ in range(4):  # the prefill, then decode steps that compile and record their graphs
             next(produced)
-        torch.cuda.synchronize(device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_waiting(device):
             for _ in range(16):
                 next(produced)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    sampling = SamplingParams(temperature=0.7, seed=0)
+    state = sampler_state(sampling, [PROMPTS[0]], model.config.vocab_size, device)
+    run = (state, sampling, sampling.generator(device), model.max_seq_length)
+    token = torch.tensor([[PROMPTS[0][-1]]], device=device)
+    plain_steps(model, steps, token, 8, 4, *run)  # compiles and records its graphs
+    with no_waiting(device):
+        plain_steps(model, steps, token, 8, 16, *run)
+
+
+@contextlib.contextmanager
+def no_waiting(device):
+    """Inside, any call that waits for the GPU is an error (CUDA's sync debug mode)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_compiled_prefill_equals_eager_for_any_prompt_length(tiny_checkpoint):

@@ -19,7 +19,16 @@ from decode import compile_steps, verify_step
 from kernels import Kernels
 from model import Transformer
 from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_state, set_row
-from speculate import NGRAM_MAX, NGRAM_MIN, Acceptance, NgramIndex, choose_depth, depth_choices, expected_tokens
+from speculate import (
+    NGRAM_MAX,
+    NGRAM_MIN,
+    Acceptance,
+    NgramIndex,
+    choose_depth,
+    depth_choices,
+    expected_tokens,
+    plain_rounds,
+)
 
 
 @pytest.fixture(scope="module")
@@ -374,8 +383,12 @@ def test_depth_follows_the_acceptance_seen():
     for _ in range(30):
         acceptance.record(kept=0, tried=1)
     # With no evidence, what it saw fades towards 1/2: it tries speculating again.
-    quiet_rounds = next(i for i in range(1, 1000) if acceptance.record(0, 0) or choose_depth(costs, [(acceptance, 4)]))
+    faded = Acceptance(acceptance.kept, acceptance.tried)
+    quiet_rounds = next(i for i in range(1, 1000) if faded.record(0, 0) or choose_depth(costs, [(faded, 4)]))
     assert 5 < quiet_rounds < 60
+    # A draft model's plain rounds run in one go: as many as the controller would pick one by one.
+    assert plain_rounds(costs, acceptance, 4, 1000) == quiet_rounds
+    assert plain_rounds(costs, acceptance, 4, 3) == 3
 
 
 def test_dear_verification_decodes_plainly_step_for_step():
@@ -386,9 +399,17 @@ def test_dear_verification_decodes_plainly_step_for_step():
     prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5]
     plain = gen.generate(model, prompt, 30).tokens[0]
     dear = {0: 1.0, 2: 3.5, 4: 5.5}
-    for drafts in (dict(ngram=True), dict(draft_model=draft)):
-        result = gen.generate(model, prompt, 30, round_costs=dear, **drafts)
-        assert result.tokens[0] == plain and result.speculation["depth_histogram"] == [29, 0, 0, 0, 0]
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):  # sampled: the same noise drawn
+        expected = gen.generate(model, prompt, 30, sampling=sampling).tokens[0]
+        for drafts in (dict(ngram=True), dict(draft_model=draft)):
+            result = gen.generate(model, prompt, 30, sampling=sampling, round_costs=dear, **drafts)
+            assert result.tokens[0] == expected and result.speculation["depth_histogram"] == [29, 0, 0, 0, 0]
+    # A run of plain rounds ends at an EOS, as plain decoding does: the token that first appears last.
+    eos = max(set(plain), key=plain.index)
+    ended = gen.generate(model, prompt, 30, eos_ids=[eos]).tokens[0]
+    assert ended == plain[: plain.index(eos)] and len(ended) > 2
+    result = gen.generate(model, prompt, 30, eos_ids=[eos], round_costs=dear, draft_model=draft)
+    assert result.tokens[0] == ended and result.speculation["depth_histogram"][0] == len(ended)  # no step past it
     cheap = {0: 1.0, 2: 1.05, 4: 1.1}
     result = gen.generate(model, prompt, 30, ngram=True, round_costs=cheap)
     assert_same_greedy(model, prompt, result.tokens[0], plain, MARGIN)
