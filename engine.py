@@ -45,7 +45,15 @@ from decode import (
 )
 from grammar import allowed_tokens
 from results import Speculation, TextPieces, TokenLogprobs, step_logprobs
-from sampling import SamplerState, SamplingParams, accept_drafts, record_token, row_sampler_state, set_row
+from sampling import (
+    SamplerState,
+    SamplingParams,
+    accept_drafts,
+    draw_exponential_,
+    record_token,
+    row_sampler_state,
+    set_row,
+)
 from speculate import (
     Acceptance,
     NgramIndex,
@@ -545,7 +553,7 @@ class Engine:
         for i in rows:
             c = self.slots[i]
             if not c.params.greedy:
-                self.state.noise[i].exponential_(generator=c.generator)
+                draw_exponential_(self.state.noise[i], c.generator)
 
     def decode(self, rows: list[int], proposals: dict[int, list[int]] | None = None):
         """One decode step for the decoding rows (the others of the batch feed the idle position); a row's

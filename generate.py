@@ -60,6 +60,7 @@ from sampling import (
     accept_drafts,
     check_logprobs,
     check_seed,
+    draw_exponential_,
     refill_noise,
     sampler_state,
 )
@@ -247,7 +248,7 @@ def speculative_generate(
                 uniforms, noise = torch.zeros(1, depth, device=device), torch.ones(1, vocab_size, device=device)
             else:
                 uniforms = torch.rand(1, depth, device=device, generator=generator)
-                noise = torch.empty(1, vocab_size, device=device).exponential_(generator=generator)
+                noise = draw_exponential_(torch.empty(1, vocab_size, device=device), generator)
             n_kept, next_token = accept_drafts(drafted, p, q, uniforms, noise, lengths)
             host = torch.cat([n_kept, next_token, drafted[0]]).tolist()  # the round's one sync
             kept, drafts = host[0], depth if draft is not None else min(depth, len(proposal))

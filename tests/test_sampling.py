@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from generate import generate, load_model
-from sampling import SamplingParams, apply_penalties, logits_to_probs, record_token, sample, sampler_state
+from sampling import (
+    SamplingParams,
+    apply_penalties,
+    draw_exponential_,
+    logits_to_probs,
+    record_token,
+    refill_noise,
+    sample,
+    sampler_state,
+)
 
 pytestmark = pytest.mark.numerics
 
@@ -100,9 +109,10 @@ def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(20000, 4)
-    state = sampler_state(SamplingParams(temperature=1.0), [[0]] * 20000, 4, "cpu")
+    params = SamplingParams(temperature=1.0)
+    state = sampler_state(params, [[0]] * 20000, 4, "cpu")
     state.seen.zero_()
-    state.noise.exponential_()
+    refill_noise(state, params, None)
     token, _ = sample(logits, state, greedy=False, n_logprobs=None)
     counts = torch.bincount(token.flatten(), minlength=4).double() / 20000
     assert (counts - probs.double()).abs().max() < 0.015
@@ -143,3 +153,16 @@ def test_bad_sampling_values(tiny_checkpoint):
             generate(model, [1, 2], 4, sampling=SamplingParams(**kwargs))
     with pytest.raises(ValueError, match="exceeds the model's block_size"):
         generate(model, [1] * 200, 100)
+
+
+def test_noise_is_exponential():
+    """The draws that sampling divides by follow Exp(1): the empirical CDF against 1 - exp(-x), within 5 standard
+    errors, never 0 (a token would win with any probability), and the same for the same seed."""
+    n = 400_000
+    draws = draw_exponential_(torch.empty(n), torch.Generator().manual_seed(0)).double()
+    for x in (0.01, 0.1, 0.5, 1.0, 2.0, 4.0, 8.0):
+        expected = 1 - np.exp(-x)
+        assert abs((draws <= x).double().mean().item() - expected) < 5 * np.sqrt(expected * (1 - expected) / n)
+    assert abs(draws.mean().item() - 1) < 5 / np.sqrt(n) and (draws > 0).all()
+    again = draw_exponential_(torch.empty(n), torch.Generator().manual_seed(0)).double()
+    assert torch.equal(draws, again)
