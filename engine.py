@@ -44,7 +44,7 @@ from decode import (
     window_groups,
 )
 from grammar import allowed_tokens
-from results import Speculation, TextPieces, TokenLogprobs, step_logprobs
+from results import Speculation, TextPieces, TokenLogprobs, step_logprobs, synchronize
 from sampling import (
     SamplerState,
     SamplingParams,
@@ -57,11 +57,13 @@ from sampling import (
 from speculate import (
     Acceptance,
     NgramIndex,
+    Probes,
     check_round_costs,
     choose_depth,
     depth_choices,
     lookup_drafts,
     measure_round_costs,
+    probe_depth,
 )
 from tokenizer import Tokenizer
 
@@ -91,6 +93,7 @@ class Choice:
     pieces: TextPieces | None = None
     lookup: NgramIndex | None = None  # its prompt (after any prediction) and output, for prompt lookup's drafts
     acceptance: Acceptance = field(default_factory=Acceptance)
+    probes: Probes = field(default_factory=Probes)  # when a draft model kept off is tried all the same
     tokens: list[int] = field(default_factory=list)
     reused: int = 0  # prompt tokens whose keys and values a slot held already (not prefilled again)
     cancelled: bool = False
@@ -215,13 +218,13 @@ class Engine:
         shortest = max(0, min(IDLE_WINDOW, self.horizon - 1 - VECTOR_STEP * groups))  # all within the cache
         windows = attention_windows([shortest + VECTOR_STEP * g for g in range(groups)], self.horizon + 1, self.device)
         if depth == 0:
-            token = self.decode_step(n, state, positions, greedy, None, windows)[0]
+            self.decode_step(n, state, positions, greedy, None, windows)
         elif self.draft is not None:
-            token = self.draft_and_verify(n, [], state, positions, greedy, windows, depth)[0]
+            self.draft_and_verify(n, [], state, positions, greedy, windows, depth)
         else:
             drafted = torch.zeros(n, depth, dtype=torch.long, device=self.device)
-            token = self.verify(n, state, positions, greedy, windows, drafted)
-        token.tolist()
+            self.verify(n, state, positions, greedy, windows, drafted)
+        synchronize(self.device)  # the outputs stay on the device: reading the distributions back would be timed too
 
     def measure_round_costs(self):
         """The seconds of a step of each batch size at each depth (speculate.measure_round_costs), greedy."""
@@ -583,6 +586,7 @@ class Engine:
                 self.slots[i].acceptance.record(int(proposals[i][0] == host[i]), 1)
             elif self.draft is not None:  # no evidence: what was seen fades, and speculation is tried again in time
                 self.slots[i].acceptance.record(0, 0)
+                self.slots[i].probes.plain(1)
             self.cached[i].append(self.last[i])
             self.draft_cached[i] = len(self.cached[i])
             self.last[i] = host[i]
@@ -641,9 +645,18 @@ class Engine:
 
     def speculate(self, rows: list[int]):
         """One round of speculative decoding with the draft for every decoding row, of the depth that yields
-        the most tokens a second (speculate.choose_depth; 0: a decode step, which the draft reads too)."""
+        the most tokens a second (speculate.choose_depth; 0: a decode step, which the draft reads too), or of
+        speculate.probe_depth where a row's probe is due (speculate.Probes)."""
         n = self.batch_size(rows)
         depth = choose_depth(self.costs(n), [(self.slots[i].acceptance, self.k) for i in rows])
+        if depth:
+            for i in rows:
+                self.slots[i].probes.followed()
+        elif any(self.slots[i].probes.due() for i in rows):
+            for i in rows:
+                if self.slots[i].probes.due():
+                    self.slots[i].probes.probed()
+            depth = probe_depth(self.costs(n), self.k)
         if depth == 0:
             return self.decode(rows)
         state = self.state_rows(slice(0, n))

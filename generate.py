@@ -55,7 +55,6 @@ from model import Transformer
 from quantize import load_checkpoint_model, prepare_quantized
 from results import Generation, Speculation, check_stop, collect, find_stop, summarize, synchronize
 from sampling import (
-    SamplerState,
     SamplingParams,
     accept_drafts,
     check_logprobs,
@@ -67,12 +66,14 @@ from sampling import (
 from speculate import (
     Acceptance,
     NgramIndex,
+    Probes,
     check_round_costs,
     choose_depth,
     depth_choices,
     lookup_drafts,
     measure_round_costs,
     plain_rounds,
+    probe_depth,
 )
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -172,7 +173,8 @@ def speculative_generate(
     """Generates from the target, each round verifying up to k drafted tokens: the draft model's, or with draft
     None prompt lookup's (speculate.NgramIndex). speculate.choose_depth picks each round's depth (0: a plain decode
     step) from round_costs, the seconds of a round at each depth of speculate.depth_choices(k) (None: measured here,
-    after the prefill); a proposal shorter than the depth is padded. The output distribution is exactly the
+    after the prefill), and a draft model it keeps off is probed now and then (speculate.Probes); a proposal shorter
+    than the depth is padded. The output distribution is exactly the
     target's (greedy: its greedy tokens, but where a near-tie rounds differently in the verify pass). One host sync
     per round."""
     check_speculation(model, draft, params, k)
@@ -194,18 +196,18 @@ def speculative_generate(
         model, x, torch.arange(len(prompt), device=device), no_pad, s_target, greedy, None, kv_length=len(prompt)
     )
     tokens = prompt + [int(first)]  # position i holds tokens[i]; the last is the current token, in no cache yet
-    ttft = time.perf_counter() - start
-    index = NgramIndex(tokens) if draft is None else None
     draft_cached = 0  # the positions the draft's cache holds (it catches up before it drafts)
+    if draft is not None:  # the draft reads the prompt as part of the prefill: its first round may come at once
+        draft_cached = catch_up(draft, tokens, draft_cached)
+    ttft = time.perf_counter() - start  # the prefill of both models
+    index = NgramIndex(tokens) if draft is None else None
     measuring = time.perf_counter()
     if round_costs is None:
-        if draft is not None:
-            draft_cached = catch_up(draft, steps, tokens, draft_cached, s_draft, greedy, max_seq_length)
         run_round = functools.partial(time_round, model, draft, steps, tokens, s_target, s_draft, greedy)
         round_costs = tp.agreed(measure_round_costs(run_round, depth_choices(k)))
     start += time.perf_counter() - measuring  # not decoding
     check_round_costs(round_costs)
-    acceptance = Acceptance()
+    acceptance, probes = Acceptance(), Probes()
     while (
         len(tokens) - len(prompt) < max_new_tokens
         and tokens[-1] not in eos
@@ -214,19 +216,24 @@ def speculative_generate(
         pos, cur = len(tokens) - 1, torch.tensor([tokens[-1:]], device=device)
         proposal = index.propose(k) if index is not None else []
         depth = choose_depth(round_costs, [(acceptance, k if draft is not None else len(proposal))])
+        if draft is not None and depth:
+            probes.followed()
+        elif draft is not None and probes.due():
+            probes.probed()
+            depth = probe_depth(round_costs, k)
         if depth == 0:
             # A draft model's plain rounds observe nothing, so the controller's next choices are known already: the
             # plain rounds in a row run chained on the device, with a host sync every CHECK_INTERVAL as in plain
             # decoding, not one a round (a GPU idles during each).
             left = min(max_new_tokens - (len(tokens) - len(prompt)), CHECK_INTERVAL)
-            rounds = 1 if draft is None else plain_rounds(round_costs, acceptance, k, left)
+            rounds = 1 if draft is None else plain_rounds(round_costs, acceptance, k, min(left, probes.wait))
             made = plain_steps(model, steps, cur, pos, rounds, s_target, params, generator, max_seq_length)
-            emitted = made[0].tolist()  # the rounds' one sync
-            emitted = emitted[: next((i + 1 for i, t in enumerate(emitted) if t in eos), rounds)]
+            emitted = through_eos(made[0].tolist(), eos)  # the rounds' one sync
             kept, drafts = 0, 0
             if draft is not None:  # no evidence: what was seen fades, and speculation is tried again in time
                 for _ in emitted:
                     acceptance.record(0, 0)
+                probes.plain(len(emitted))
             elif proposal:  # a proposal not taken is still checked, so that its acceptance follows the text
                 acceptance.record(int(proposal[0] == emitted[0]), 1)
             for _ in emitted[1:]:  # the run's rounds but the last, which is recorded below
@@ -238,10 +245,9 @@ def speculative_generate(
                 verify_at = pos + torch.arange(depth + 1, device=device)
                 q = steps.verify(model, torch.cat([cur, drafted], dim=1), verify_at, s_target, greedy, window)
             else:
-                draft_cached = catch_up(draft, steps, tokens, draft_cached, s_draft, greedy, max_seq_length)
-                at = torch.tensor([pos], device=device)
+                draft_cached, inputs = catch_up(draft, tokens, draft_cached), draft_input(tokens, device)
                 drafted, p, q = draft_and_verify(
-                    model, draft, steps, depth, cur, (cur, at), s_target, s_draft, greedy, draft_noise, window
+                    model, draft, steps, depth, cur, inputs, s_target, s_draft, greedy, draft_noise, window
                 )
                 lengths = None
             if greedy:  # q is one-hot: a draft is kept where it agrees, and the next token is q's
@@ -252,7 +258,7 @@ def speculative_generate(
             n_kept, next_token = accept_drafts(drafted, p, q, uniforms, noise, lengths)
             host = torch.cat([n_kept, next_token, drafted[0]]).tolist()  # the round's one sync
             kept, drafts = host[0], depth if draft is not None else min(depth, len(proposal))
-            emitted = host[2 : 2 + kept] + [host[1]]
+            emitted = through_eos(host[2 : 2 + kept] + [host[1]], eos)
             acceptance.record(kept, kept + (kept < drafts))
             if draft is not None:  # it read the current token and every draft but the last
                 draft_cached = pos + min(kept + 1, depth)
@@ -269,22 +275,37 @@ def speculative_generate(
     return result
 
 
+def through_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """tokens up to the first EOS among them, which ends the sequence (a round's kept drafts may hold one)."""
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
 def stopped(tokens: list[int], prompt: list[int], stop: list[str], tokenizer) -> bool:
     return bool(stop) and find_stop(tokenizer.decode(tokens[len(prompt) :]), stop) >= 0
 
 
-def catch_up(draft, steps: Steps, tokens: list[int], cached: int, s: SamplerState, greedy: bool, max_seq_length: int):
-    """Feeds the draft the tokens before the current one that its cache lacks (from position cached): one by its
-    compiled step, more (the prompt, or what plain rounds made) in one eager pass. Returns the positions it holds."""
+def catch_up(draft, tokens: list[int], cached: int) -> int:
+    """Feeds the draft, in one eager pass from position cached, the tokens its cache lacks but the last two (the
+    prompt, or what plain rounds made), which a round's first draft step reads (draft_input). Returns the positions
+    its cache holds."""
     pos, device = len(tokens) - 1, draft.tok_embeddings.weight.device
-    if cached == pos:
-        return pos
-    x, at = torch.tensor([tokens[cached:pos]], device=device), torch.arange(cached, pos, device=device)
-    if pos - cached == 1:
-        steps.draft(draft, x, at, s, greedy, attention_window(pos, max_seq_length, device))
-    else:
-        draft(x, at, last_only=True, kv_length=pos)
-    return pos
+    if pos - 1 <= cached:
+        return cached
+    draft(
+        torch.tensor([tokens[cached : pos - 1]], device=device),
+        torch.arange(cached, pos - 1, device=device),
+        last_only=True,
+        kv_length=pos - 1,
+    )
+    return pos - 1
+
+
+def draft_input(tokens: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """What a round's first draft step reads: the token before the current one and the current one [1, 2], at their
+    positions [2]. The draft's cache lacks the first after a round that kept every draft (it never read the last);
+    otherwise the step writes its keys and values again, the same."""
+    pos = len(tokens) - 1
+    return torch.tensor([tokens[pos - 1 :]], device=device), torch.arange(pos - 1, pos + 1, device=device)
 
 
 def time_round(model, draft, steps: Steps, tokens: list[int], s_target, s_draft, greedy: bool, depth: int):
@@ -297,16 +318,15 @@ def time_round(model, draft, steps: Steps, tokens: list[int], s_target, s_draft,
     max_seq_length = min(m.max_seq_length for m in (model, draft) if m is not None)
     window = attention_window(pos + depth, max_seq_length, device)
     if depth == 0:
-        token, _ = steps.decode(model, cur, at, torch.zeros_like(at), s_target, greedy, None, window)
+        steps.decode(model, cur, at, torch.zeros_like(at), s_target, greedy, None, window)
     elif draft is None:
-        token = steps.verify(
+        steps.verify(
             model, cur.repeat(1, depth + 1), pos + torch.arange(depth + 1, device=device), s_target, greedy, window
         )
     else:
-        token = draft_and_verify(
-            model, draft, steps, depth, cur, (cur, at), s_target, s_draft, greedy, lambda: None, window
-        )[0]
-    token.tolist()
+        inputs = draft_input(tokens, device)
+        draft_and_verify(model, draft, steps, depth, cur, inputs, s_target, s_draft, greedy, lambda: None, window)
+    synchronize(device)  # the outputs stay on the device: reading the distributions back would be timed too
 
 
 # ---------------------------------------------------------------- loading

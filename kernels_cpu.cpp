@@ -7,7 +7,8 @@
 // exact int32, and only the sum over blocks is float.
 // - int8 weights: w = code * scale[n], codes in [-127, 127]. The unsigned-by-signed byte products of x86
 //   (vpmaddubsw, vpdpbusd) take |w| and the activation carrying w's sign (vpsignb): exact, because activation codes
-//   stay within [-127, 127] and the weights must too (kernels.Int8Linear checks that once). Layout
+//   stay within [-127, 127] and the weights must too (kernels.Int8Linear checks that once). AVX-512 VNNI takes
+//   w + 128 instead, less 128 times the activations' sums (see int8_avx512): the same int32 sums. Layout
 //   (kernels.int8_native_layout): channels interleaved in groups of 4, per group and 64 inputs each channel's 64
 //   codes; the per-channel scales apart.
 // - int4 weights: w = code * scale + offset per block of 32 inputs, codes in [0, 15], scale and offset float16.
@@ -283,23 +284,35 @@ AVX512 void int8_avx512(const int8_t* group, const Activations& x, float* out) {
   __m512 acc[GROUP][R];
   for (int c = 0; c < GROUP; c++)
     for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
+  const __m512i bias = _mm512_set1_epi8(-128);  // the byte 0x80: +128 unsigned
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const int8_t* step = group + (b / 2) * INT8_STEP;
     prefetch_ahead(step, INT8_STEP);
-    __m512i magnitude[GROUP];
+    // VNNI: the weights + 128 as unsigned bytes, and each product with a row starts from -128 times the row's sums
+    // of 4 codes (which vpdpbusd adds to): the same int32 lanes as |w| by a carrying w's sign, with the row's
+    // share computed once for the 4 channels. Without VNNI, vpmaddubsw's int16 pairs would saturate on w + 128.
+    __m512i weights[GROUP];
     __mmask64 negative[GROUP];
     for (int c = 0; c < GROUP; c++) {
       const __m512i wv = _mm512_loadu_si512(step + c * 2 * BLOCK);
-      magnitude[c] = _mm512_abs_epi8(wv);
-      negative[c] = _mm512_movepi8_mask(wv);
+      weights[c] = VNNI ? _mm512_xor_si512(wv, bias) : _mm512_abs_epi8(wv);
+      if constexpr (!VNNI) negative[c] = _mm512_movepi8_mask(wv);
     }
     for (int r = 0; r < R; r++) {
       const int64_t block = r * x.blocks + b;
       const __m512i a = _mm512_loadu_si512(x.codes + block * BLOCK);
       const __m512 scale = two_scales(x.scales + block);
-      for (int c = 0; c < GROUP; c++) {
-        const __m512i signed_a = _mm512_mask_sub_epi8(a, negative[c], _mm512_setzero_si512(), a);
-        acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<VNNI>(magnitude[c], signed_a)), scale, acc[c][r]);
+      if constexpr (VNNI) {
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), dot64<true>(bias, a));
+        for (int c = 0; c < GROUP; c++) {
+          const __m512i dot = _mm512_dpbusd_epi32(start, weights[c], a);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[c][r]);
+        }
+      } else {
+        for (int c = 0; c < GROUP; c++) {
+          const __m512i signed_a = _mm512_mask_sub_epi8(a, negative[c], _mm512_setzero_si512(), a);
+          acc[c][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot64<false>(weights[c], signed_a)), scale, acc[c][r]);
+        }
       }
     }
   }
@@ -372,21 +385,24 @@ void int4_group(const uint8_t* group, const Activations& x, float* out) {
   else int4_scalar<R>(group, x, out);
 }
 
-// Rows two at a time (more sums would not fit the registers), then the one left over; a group's bytes read again for
-// the next rows come from the cache.
-constexpr int64_t ROWS = 2;
+// A group's kernel for R = 1..4 rows; a call covers as many rows as the sums fit the registers (most_rows), and a
+// group's bytes read again for the next rows come from the cache.
 using QuantizeFn = void (*)(const float* v, int8_t* codes, float* scale, float* sums);
 struct Kernel {
-  GroupFn rows, last;
-  int64_t step_bytes;
+  GroupFn rows[4];  // rows[R - 1] computes R rows, for R up to most_rows
+  int64_t most_rows, step_bytes;
   QuantizeFn quantize;  // of a block of activations
 };
 
+// AVX-512's 32 registers hold int8's sums of 4 rows; AVX2's 16, and int4's codes and scales beside them, 2.
 template <int ISA>
 Kernel kernel_for(bool int4) {
   const QuantizeFn quantize = ISA == 0 ? quantize_block : quantize_block_avx2;
-  return int4 ? Kernel{int4_group<ROWS, ISA>, int4_group<1, ISA>, INT4_STEP, quantize}
-              : Kernel{int8_group<ROWS, ISA>, int8_group<1, ISA>, INT8_STEP, quantize};
+  if (int4) return Kernel{{int4_group<1, ISA>, int4_group<2, ISA>}, 2, INT4_STEP, quantize};
+  if constexpr (ISA >= 3)
+    return Kernel{{int8_group<1, ISA>, int8_group<2, ISA>, int8_group<3, ISA>, int8_group<4, ISA>}, 4, INT8_STEP,
+                  quantize};
+  return Kernel{{int8_group<1, ISA>, int8_group<2, ISA>}, 2, INT8_STEP, quantize};
 }
 
 Kernel pick(bool int4, int64_t isa) {
@@ -429,8 +445,10 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& 
       for (int64_t g = begin; g < end; g++) {
         for (int64_t m0 = first; m0 < last; m0 += MAX_ROWS) {
           const int64_t rows = std::min(MAX_ROWS, last - m0);
-          for (int64_t m = 0; m < rows; m += ROWS)
-            (rows - m >= ROWS ? kernel.rows : kernel.last)(weights + g * group_bytes, a.from_row(m0 + m), column + m);
+          for (int64_t m = 0; m < rows; m += kernel.most_rows) {
+            const int64_t r = std::min(kernel.most_rows, rows - m);
+            kernel.rows[r - 1](weights + g * group_bytes, a.from_row(m0 + m), column + m);
+          }
           for (int64_t c = 0; c < GROUP; c++) {
             const int64_t n = g * GROUP + c;
             for (int64_t m = 0; m < rows; m++)

@@ -288,8 +288,8 @@ class Attention(nn.Module):
         # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel has a fixed cost per call that
         # exceeds one query's work); so does soft-capping, which SDPA cannot do. A few queries' products with the
         # cache fuse too where the linear layers' do (a batched matmul is a library call per layer).
-        if q.shape[2] == 1 or self.logit_softcap is not None:
-            fused = self.kernels.float_matvec == "fused" and fuses(q[0, 0], fused_rows)
+        if fuses(q[0, 0], fused_rows) or self.logit_softcap is not None:
+            fused = self.kernels.float_matvec == "fused" and q.shape[2] == 1 and fuses(q[0, 0], fused_rows)
             return grouped_attention(q, k, v, mask, self.scale, self.logit_softcap, fused)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.n_head != self.n_kv_heads

@@ -10,7 +10,8 @@ choose_depth picks each round's depth, the drafted tokens the target verifies (0
 whose cost was measured on this machine (measure_round_costs): the depth d that maximises expected tokens per
 second, (1 - a^(d + 1)) / (1 - a) tokens for a round of cost c(d), a being the per-token acceptance seen lately
 (Acceptance); for a batch, the sum over its rows. Where verifying costs more than the acceptance repays, it picks 0:
-speculation turns itself off, and back on when the acceptance rises again.
+speculation turns itself off, and back on when the acceptance rises again. A draft model's plain rounds observe
+nothing, so a draft the controller keeps off is tried now and then all the same (Probes).
 """
 
 import time
@@ -24,6 +25,7 @@ NGRAM_MAX = 4  # the longest suffix looked up: a longer match is likelier to con
 NGRAM_MIN = 2  # one token matches too often to say much: its proposals are mostly wrong
 DEPTHS = (0, 2, 4, 6)  # the depths a controller chooses from, up to speculate_k: few, each a compiled verify shape
 ACCEPTANCE_MEMORY = 0.9  # an observation's weight at the next: the acceptance follows what the text does now
+PROBE_GAP = 64  # plain rounds before a draft model's second probe; each later one waits twice as long (Probes)
 COST_REPEATS = 5  # timed passes over the depths (each depth's least time), after one that compiles and warms up
 
 
@@ -127,6 +129,36 @@ def plain_rounds(costs: dict[int, float], acceptance: Acceptance, available: int
         fading.record(0, 0)
         rounds += 1
     return rounds
+
+
+def probe_depth(costs: dict[int, float], available: int) -> int:
+    """The depth that would yield the most tokens per second were every draft kept (0: none would pay)."""
+    return max(costs, key=lambda d: ((min(d, available) + 1) / costs[d], -d))
+
+
+@dataclass
+class Probes:
+    """When a draft model that the controller keeps off is tried all the same. Its plain rounds observe nothing,
+    and without evidence its acceptance is 1/2 (Acceptance.rate): a draft that would pay only at a higher one would
+    never be seen to. A probe is a round at probe_depth: the first at the first round, the next after PROBE_GAP
+    plain rounds, and each after twice as many as the one before, while the controller keeps the draft off. A
+    draft that loses costs a probe each time the text doubles; one that wins is followed from its first probe."""
+
+    wait: int = 0  # plain rounds before the next probe
+    gap: int = PROBE_GAP  # the wait after the next probe
+
+    def due(self) -> bool:
+        return self.wait <= 0
+
+    def plain(self, rounds: int):
+        self.wait -= rounds
+
+    def probed(self):
+        self.wait, self.gap = self.gap, 2 * self.gap
+
+    def followed(self):
+        """The controller chose to speculate: should it turn the draft off again, the next probe is PROBE_GAP away."""
+        self.wait, self.gap = PROBE_GAP, 2 * PROBE_GAP
 
 
 def measure_round_costs(run_round: Callable[[int], None], depths: tuple[int, ...]) -> dict[int, float]:

@@ -40,7 +40,7 @@ from eval import text_logprobs
 from generate import generate, load_model
 from grammar import grammar_vocabulary, new_matcher, regex_grammar
 from sampling import SamplingParams
-from speculate import depth_choices
+from speculate import depth_choices, probe_depth
 from tokenizer import load_tokenizer
 
 KEY = "test-key"
@@ -1246,6 +1246,27 @@ def test_speculative_engine_gives_each_request_its_own_text(tiny_checkpoint, unr
                 )
     else:
         assert histogram[0] > 0 and sum(histogram[1:]) > 0
+
+
+@pytest.mark.parametrize("draft_name", ["itself", "unrelated"])
+def test_engine_probes_a_draft_the_prior_keeps_off(tiny_checkpoint, unrelated_draft, draft_name):
+    """Round costs where drafting pays only if most drafts are kept: the controller alone would decode plainly.
+    Each request's first round probes the draft; the model's own copy is then followed, round after round, and
+    an unrelated draft costs that one round (its next probe is further away than the request is long)."""
+    model = load_model(tiny_checkpoint / "model.pth")
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    draft = load_model(tiny_checkpoint / "model.pth" if draft_name == "itself" else unrelated_draft)
+    costs = {0: 1.0, 2: 2.0, 3: 2.5}
+    assert probe_depth(costs, 3) == 3
+    engine = Engine(model, tokenizer, 1, 256, Steps(), 8, draft, speculate_k=3, round_costs={1: costs})
+    engine.thread.start()
+    reference = load_model(tiny_checkpoint / "model.pth")
+    texts = run_wave(engine, tokenizer, PROMPTS[:1], [40], [SamplingParams()])
+    assert texts == [Stream(reference, tokenizer, PROMPTS[0], 40).run().texts[0]]
+    if draft_name == "itself":
+        assert engine.step_depths[3] > engine.step_depths[0]
+    else:
+        assert engine.step_depths[3] == 1 and engine.step_depths[0] > 20
 
 
 def test_compiled_speculative_engine_compiles_only_before_serving(tiny_checkpoint, unrelated_draft):

@@ -22,12 +22,15 @@ from sampling import SamplingParams, accept_drafts, row_sampler_state, sampler_s
 from speculate import (
     NGRAM_MAX,
     NGRAM_MIN,
+    PROBE_GAP,
     Acceptance,
     NgramIndex,
+    Probes,
     choose_depth,
     depth_choices,
     expected_tokens,
     plain_rounds,
+    probe_depth,
 )
 
 
@@ -391,6 +394,36 @@ def test_depth_follows_the_acceptance_seen():
     assert plain_rounds(costs, acceptance, 4, 3) == 3
 
 
+def test_a_draft_the_prior_keeps_off_is_probed():
+    """Round costs where drafting pays only if most drafts are kept: at the acceptance assumed without evidence
+    (1/2) the controller picks plain rounds, which observe nothing. A probe at the first round finds the target's
+    own copy always right, and the rounds speculate from then on; a draft that is mostly wrong costs that one
+    probe in 30 tokens. Either way the tokens are plain decoding's. Probes come at the first round, then after
+    PROBE_GAP plain rounds, then after twice as many each time; none where no depth could pay."""
+    model, itself, unrelated = tiny_vocab_model(0, 2), tiny_vocab_model(0, 2), tiny_vocab_model(1, 1)
+    prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5]
+    plain = gen.generate(model, prompt, 30).tokens[0]
+    costs = {0: 1.0, 2: 2.0, 4: 2.9}
+    assert choose_depth(costs, [(Acceptance(), 4)]) == 0 and probe_depth(costs, 4) == 4
+    assert probe_depth(costs, 1) == 0 and probe_depth({0: 1.0, 2: 3.5, 4: 5.5}, 4) == 0
+    for draft in (itself, unrelated):
+        result = gen.generate(model, prompt, 30, round_costs=costs, draft_model=draft)
+        assert_same_greedy(model, prompt, result.tokens[0], plain, MARGIN)
+        depths = result.speculation["depth_histogram"]
+        if draft is itself:
+            assert depths[4] > depths[0] and result.speculation["acceptance_rate"] > 0.9
+        else:
+            assert depths[4] == 1 and result.speculation["acceptance_rate"] < 0.5
+    probes, probed = Probes(), []
+    for round_ in range(8 * PROBE_GAP):
+        if probes.due():
+            probes.probed()
+            probed.append(round_)
+        else:
+            probes.plain(1)
+    assert probed == [0, 1 + PROBE_GAP, 2 + 3 * PROBE_GAP, 3 + 7 * PROBE_GAP]
+
+
 def test_dear_verification_decodes_plainly_step_for_step():
     """Round costs where verifying any drafts costs more than the most tokens it could yield: every round is a
     plain decode step, and the tokens are exactly plain decoding's (the same step, not the verify pass). Where
@@ -411,6 +444,11 @@ def test_dear_verification_decodes_plainly_step_for_step():
     result = gen.generate(model, prompt, 30, eos_ids=[eos], round_costs=dear, draft_model=draft)
     assert result.tokens[0] == ended and result.speculation["depth_histogram"][0] == len(ended)  # no step past it
     cheap = {0: 1.0, 2: 1.05, 4: 1.1}
+    # A speculative round ends it too where the drafts it keeps hold the EOS: no round after it.
+    for drafts in (dict(ngram=True), dict(draft_model=tiny_vocab_model(0, 2))):
+        result = gen.generate(model, prompt, 30, eos_ids=[eos], round_costs=cheap, **drafts)
+        kept = sum(n * length for length, n in enumerate(result.speculation["accepted_length_histogram"]))
+        assert result.tokens[0] == ended and kept + sum(result.speculation["depth_histogram"]) <= len(ended) + 4
     result = gen.generate(model, prompt, 30, ngram=True, round_costs=cheap)
     assert_same_greedy(model, prompt, result.tokens[0], plain, MARGIN)
     assert result.speculation["depth_histogram"][4] > 0 and result.speculation["acceptance_rate"] > 0.5
