@@ -174,9 +174,8 @@ def speculative_generate(
     None prompt lookup's (speculate.NgramIndex). speculate.choose_depth picks each round's depth (0: a plain decode
     step) from round_costs, the seconds of a round at each depth of speculate.depth_choices(k) (None: measured here,
     after the prefill), and a draft model it keeps off is probed now and then (speculate.Probes); a proposal shorter
-    than the depth is padded. The output distribution is exactly the
-    target's (greedy: its greedy tokens, but where a near-tie rounds differently in the verify pass). One host sync
-    per round."""
+    than the depth is padded. The output distribution is exactly the target's (greedy: its greedy tokens, but where
+    a near-tie rounds differently in the verify pass). One host sync per round."""
     check_speculation(model, draft, params, k)
     device, greedy, vocab_size = model.tok_embeddings.weight.device, params.greedy, model.config.vocab_size
     models = (model,) if draft is None else (model, draft)

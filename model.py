@@ -286,8 +286,9 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fused_rows: int) -> Tensor:
         # q [B, H, S, D], k and v [B, H_kv, T, D] (the slots the mask covers), mask [B, 1, S, T] -> [B, H, S, D].
         # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel has a fixed cost per call that
-        # exceeds one query's work); so does soft-capping, which SDPA cannot do. A few queries' products with the
-        # cache fuse too where the linear layers' do (a batched matmul is a library call per layer).
+        # exceeds one query's work); so does soft-capping, which SDPA cannot do. A few queries a row, where the
+        # linear layers' products fuse (a verification of drafts), take batched products: SDPA's CPU kernel costs
+        # about twice as much for them, and fused multiply-and-sums more still.
         if fuses(q[0, 0], fused_rows) or self.logit_softcap is not None:
             fused = self.kernels.float_matvec == "fused" and q.shape[2] == 1 and fuses(q[0, 0], fused_rows)
             return grouped_attention(q, k, v, mask, self.scale, self.logit_softcap, fused)
