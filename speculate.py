@@ -26,6 +26,7 @@ NGRAM_MIN = 2  # one token matches too often to say much: its proposals are most
 DEPTHS = (0, 2, 4, 6)  # the depths a controller chooses from, up to speculate_k: few, each a compiled verify shape
 ACCEPTANCE_MEMORY = 0.9  # an observation's weight at the next: the acceptance follows what the text does now
 PROBE_GAP = 64  # plain rounds before a draft model's second probe; each later one waits twice as long (Probes)
+RETRY_GAP = 8  # plain rounds before a draft the controller followed, then turned off, is probed again (Probes)
 COST_REPEATS = 5  # timed passes over the depths (each depth's least time), after one that compiles and warms up
 
 
@@ -142,7 +143,9 @@ class Probes:
     and without evidence its acceptance is 1/2 (Acceptance.rate): a draft that would pay only at a higher one would
     never be seen to. A probe is a round at probe_depth: the first at the first round, the next after PROBE_GAP
     plain rounds, and each after twice as many as the one before, while the controller keeps the draft off. A
-    draft that loses costs a probe each time the text doubles; one that wins is followed from its first probe."""
+    draft that loses costs a probe each time the text doubles; one that wins is followed from its first probe. A
+    draft the controller followed and then turned off (a few rejections weigh much against little evidence) is
+    probed again after RETRY_GAP plain rounds, then as from its first probe."""
 
     wait: int = 0  # plain rounds before the next probe
     gap: int = PROBE_GAP  # the wait after the next probe
@@ -157,8 +160,8 @@ class Probes:
         self.wait, self.gap = self.gap, 2 * self.gap
 
     def followed(self):
-        """The controller chose to speculate: should it turn the draft off again, the next probe is PROBE_GAP away."""
-        self.wait, self.gap = PROBE_GAP, 2 * PROBE_GAP
+        """The controller chose to speculate: should it turn the draft off, the next probe is RETRY_GAP away."""
+        self.wait, self.gap = RETRY_GAP, PROBE_GAP
 
 
 def measure_round_costs(run_round: Callable[[int], None], depths: tuple[int, ...]) -> dict[int, float]:

@@ -23,6 +23,7 @@ from speculate import (
     NGRAM_MAX,
     NGRAM_MIN,
     PROBE_GAP,
+    RETRY_GAP,
     Acceptance,
     NgramIndex,
     Probes,
@@ -399,7 +400,8 @@ def test_a_draft_the_prior_keeps_off_is_probed():
     (1/2) the controller picks plain rounds, which observe nothing. A probe at the first round finds the target's
     own copy always right, and the rounds speculate from then on; a draft that is mostly wrong costs that one
     probe in 30 tokens. Either way the tokens are plain decoding's. Probes come at the first round, then after
-    PROBE_GAP plain rounds, then after twice as many each time; none where no depth could pay."""
+    PROBE_GAP plain rounds, then after twice as many each time (after RETRY_GAP where the controller had followed
+    the draft); none where no depth could pay."""
     model, itself, unrelated = tiny_vocab_model(0, 2), tiny_vocab_model(0, 2), tiny_vocab_model(1, 1)
     prompt = [3, 1, 4, 1, 5, 3, 1, 4, 1, 5]
     plain = gen.generate(model, prompt, 30).tokens[0]
@@ -422,6 +424,15 @@ def test_a_draft_the_prior_keeps_off_is_probed():
         else:
             probes.plain(1)
     assert probed == [0, 1 + PROBE_GAP, 2 + 3 * PROBE_GAP, 3 + 7 * PROBE_GAP]
+    # One the controller followed is probed again soon after it turns the draft off, then as from the start.
+    probes.followed()
+    probes.plain(RETRY_GAP - 1)
+    assert not probes.due()
+    probes.plain(1)
+    assert probes.due()
+    probes.probed()
+    probes.plain(PROBE_GAP)
+    assert probes.due()
 
 
 def test_dear_verification_decodes_plainly_step_for_step():
