@@ -23,7 +23,7 @@ class ModelArgs:
     head_dim: int | None = None  # None: dim // n_head
     block_size: int = 2048  # maximum number of positions
     rope_base: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "longrope" | "yarn", "factor", ...}
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama's attention_bias also sets the next one)
@@ -151,7 +151,10 @@ ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "linear": ("factor",),
     "longrope": ("original_max_position_embeddings", "attention_factor"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+# YaRN's numbers with defaults (the paper's, as transformers takes them), and truncate (true: whole pairs).
+YARN_OPTIONAL_KEYS = ("attention_factor", "beta_fast", "beta_slow")
 
 
 def positive_number(value) -> bool:
@@ -165,6 +168,14 @@ def check_rope_scaling(scaling: dict, head_dim: int):
     for key in ROPE_SCALING_KEYS[kind]:
         if not positive_number(scaling.get(key)):
             raise ValueError(f"rope_scaling {key} must be a positive number, got {scaling.get(key)!r}")
+    for key in YARN_OPTIONAL_KEYS if kind == "yarn" else ():
+        if key in scaling and not positive_number(scaling[key]):
+            raise ValueError(f"rope_scaling {key} must be a positive number, got {scaling[key]!r}")
+    if kind == "yarn" and not isinstance(scaling.get("truncate", True), bool):
+        raise ValueError(f"rope_scaling truncate must be true or false, got {scaling['truncate']!r}")
+    yarn_keys = {"rope_type", "truncate", *ROPE_SCALING_KEYS["yarn"], *YARN_OPTIONAL_KEYS}
+    if kind == "yarn" and set(scaling) - yarn_keys:
+        raise ValueError(f"rope_scaling has unknown keys {sorted(set(scaling) - yarn_keys)} for yarn")
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError("rope_scaling high_freq_factor must exceed low_freq_factor")
     for key in ("short_factor", "long_factor") if kind == "longrope" else ():

@@ -370,12 +370,14 @@ def load_models(
 ) -> tuple[Transformer, Tokenizer, Transformer | None]:
     """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
     the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for default_dtype(device); the CPU kernels are
-    Kernels.choose(device, compiled, matvec, quantized, rows), quantized when either checkpoint is, rows the most a
-    decode step computes (batch rows, times the positions a speculative round verifies)."""
+    Kernels.choose(device, compiled, matvec, quantized, rows, half), quantized when either checkpoint is, half for a
+    bfloat16/float16 dtype, rows the most a decode step computes (batch rows, times the positions a speculative round
+    verifies)."""
     paths = [p for p in (checkpoint_path, draft_checkpoint_path) if p is not None]
     quantized = any(load_checkpoint(resolve_checkpoint(p))[1] is not None for p in paths)  # memory-mapped: cheap
-    kernels = Kernels.choose(device, compiled, matvec, quantized, rows)
     dtype = DTYPES[dtype_name] if dtype_name else default_dtype(device)
+    half = dtype in (torch.bfloat16, torch.float16)
+    kernels = Kernels.choose(device, compiled, matvec, quantized, rows, half)
     model = load_model(checkpoint_path, device, dtype, shard, kernels)
     tokenizer = load_tokenizer(resolve_checkpoint(checkpoint_path).parent)
     draft = None

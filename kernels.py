@@ -108,6 +108,7 @@ def native_kernels() -> bool:
     torch.library.register_fake("gpt_fast::int4_linear")(
         lambda x, packed, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
+    torch.library.register_fake("gpt_fast::half_linear")(lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("gpt_fast::int4_weights")(
         lambda packed: packed.new_empty(packed.shape[0] * NATIVE_GROUP, packed.shape[1] * 64, dtype=torch.bfloat16)
     )
@@ -182,10 +183,18 @@ class Kernels:
     # float32 weights also kept in oneDNN's blocked layout (a second copy, made by set_kernels) for products of
     # PACKED_ROWS rows or more
     packed_float: bool = False
+    # bfloat16/float16 weights' one-row products by kernels_cpu.cpp (see runs_half_native)
+    half_native: bool = False
 
     @classmethod
     def choose(
-        cls, device: torch.device, compiled: bool, matvec: str = "auto", quantized: bool = False, rows: int = 1
+        cls,
+        device: torch.device,
+        compiled: bool,
+        matvec: str = "auto",
+        quantized: bool = False,
+        rows: int = 1,
+        half: bool = False,
     ) -> "Kernels":
         """The fastest measured choice for this CPU (scripts/benchmark.py's configs ending in :fused, :library or
         :native measure the others).
@@ -202,7 +211,10 @@ class Kernels:
         there for products of many rows. float32 products that do not fuse run oneDNN on CPUs other than Intel's, and
         where the run's decode steps compute PACKED_ROWS rows or more (rows: a batch, or a speculative round's
         verification), the float32 weights are kept a second time in oneDNN's own layout for them (not with "fused"
-        or "library": it costs their memory again). docs/performance.md has the figures behind each choice."""
+        or "library": it costs their memory again). Where the model computes in bfloat16 or float16 (half), its
+        one-row products run kernels_cpu.cpp's half_linear on AVX2 CPUs (half_native): the fused product widens the
+        activation again for every output there; on AVX-512 the fused one keeps up with llama.cpp.
+        docs/performance.md has the figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -220,7 +232,9 @@ class Kernels:
         if matvec == "native":
             if device.type != "cpu" or not native_kernels():
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
-            return cls(fused, "library", int8_native=native_isa(), int4_native=native_isa(), **common)
+            isas = dict(int8_native=native_isa(), int4_native=native_isa(), half_native=half)
+            return cls(fused, "library", **isas, **common)
+        common["half_native"] = half and not avx512 and device.type == "cpu" and native_kernels()
         if quantized and device.type == "cpu" and native_kernels():
             return cls(fused, quant, int8_native=native_isa(), int4_native=native_isa(), **common)
         return cls(fused, quant, **common)
@@ -236,6 +250,7 @@ class Kernels:
             "int4_native": self.int4_native,
             "widen_rows": self.widen_rows,
             "packed_float": self.packed_float,
+            "half_native": self.half_native,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
@@ -288,6 +303,9 @@ def linear(
     Other products on a CPU: by the library kernels choose (see cpu_product); None, or on CUDA: F.linear."""
     if packed is not None and x.numel() // x.shape[-1] >= PACKED_ROWS:
         y = onednn_linear(x.reshape(-1, x.shape[-1]), packed).reshape(*x.shape[:-1], -1)
+    elif kernels is not None and runs_half_native(x, weight, scales, kernels):
+        y = torch.ops.gpt_fast.half_linear(x.reshape(-1, x.shape[-1]).float(), weight)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
     elif fuses(x, fused_rows):
         w = weight.float()
         y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
@@ -299,6 +317,21 @@ def linear(
     else:  # int8 weights, widened for the product (on CUDA, torch.compile fuses that into it)
         y = F.linear(x, weight.to(x.dtype)) * scales.to(x.dtype)
     return y if bias is None else y + bias
+
+
+def runs_half_native(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kernels") -> bool:
+    """Whether kernels_cpu.cpp's half_linear computes x @ weight.T: where the kernels say so (AVX2 CPUs), for one row
+    of x (a decode step of one sequence, a prefill's last position) on a CPU and bfloat16/float16 weights of 4n x 8m.
+    Its rows each read the weights again (from the cache), so a few rows stay with the fused product."""
+    return (
+        kernels.half_native
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and scales is None
+        and x.device.type == "cpu"
+        and x.numel() == x.shape[-1]
+        and weight.shape[0] % NATIVE_GROUP == 0
+        and weight.shape[1] % 8 == 0
+    )
 
 
 def cpu_product(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kernels") -> Tensor:

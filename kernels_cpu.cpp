@@ -1,5 +1,6 @@
 // int8 and int4 linear layers on x86 CPUs by integer dot products, registered as the PyTorch operators
-// gpt_fast::int8_linear and gpt_fast::int4_linear; and gpt_fast::int4_weights, which widens int4 weights to bfloat16.
+// gpt_fast::int8_linear and gpt_fast::int4_linear; gpt_fast::int4_weights, which widens int4 weights to bfloat16; and
+// gpt_fast::half_linear, few-row products of bfloat16 / float16 weights on AVX2 CPUs (see its section).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for M rows of activations x (decode steps, batches, speculative verification;
 // prompts where the CPU lacks bfloat16 matrix products). As llama.cpp does for Q8_0 and Q4_1, the activations are
@@ -509,6 +510,62 @@ at::Tensor int4_weights(const at::Tensor& packed) {
   return weights;
 }
 
+// ---------------------------------------------------------------- half-precision weights
+
+// bfloat16 or float16 weights [N, K] as they are (no layout of our own) times x [M, K] float32 -> [M, N] float32, for
+// products of a few rows on AVX2 CPUs (kernels.runs_half_native). A compiled step's fused product (kernels.linear)
+// widens the activation again for each output's sum; here x is float32 once, each weight is widened once in
+// registers, and 4 adjacent channels share each load of x: one stream of bytes a thread.
+
+template <bool BF16>
+AVX2 inline __m256 widen8(const uint16_t* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  return _mm256_cvtph_ps(bits);
+}
+
+// Channels w[0..3] (rows K apart) times one row x: 8 lanes a channel, summed across at the end. K a multiple of 8.
+template <bool BF16>
+AVX2 void half_group(const uint16_t* w, int64_t K, const float* x, float* out) {
+  __m256 acc[GROUP];
+  for (int64_t c = 0; c < GROUP; c++) acc[c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    if (k % 32 == 0)  // the same cache line of the next group's channels: the prefetchers alone fetch it too late
+      for (int64_t c = 0; c < GROUP; c++)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (GROUP + c) * K + k), _MM_HINT_T0);
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int64_t c = 0; c < GROUP; c++) acc[c] = _mm256_fmadd_ps(widen8<BF16>(w + c * K + k), xv, acc[c]);
+  }
+  for (int64_t c = 0; c < GROUP; c++) out[c] = sum8(acc[c]);
+}
+
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
+  // x [M, K] float32, weight [N, K] bfloat16 or float16 -> [M, N] float32
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 8 == 0,
+              "half_linear: x must be float32 [M, K] with K a multiple of 8");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kHalf) && weight.size(1) == x.size(1) &&
+                  weight.size(0) % GROUP == 0 && weight.is_contiguous(),
+              "half_linear: the weight must be contiguous bfloat16 or float16 [N, K] with N a multiple of 4");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto group = bf16 ? half_group<true> : half_group<false>;
+  const uint16_t* w = static_cast<const uint16_t*>(weight.data_ptr());
+  const float* rows = xc.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N / GROUP, 16, [&](int64_t begin, int64_t end) {
+    float column[GROUP];
+    for (int64_t g = begin; g < end; g++) {
+      for (int64_t m = 0; m < M; m++) {
+        group(w + g * GROUP * K, K, rows + m * K, column);
+        for (int64_t c = 0; c < GROUP; c++) out[m * N + g * GROUP + c] = column[c];
+      }
+    }
+  });
+  return y;
+}
+
 // x [M, K] float32 with M >= 1 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(1) % 64 == 0,
@@ -539,10 +596,12 @@ TORCH_LIBRARY(gpt_fast, m) {
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, int isa) -> Tensor");
   m.def("int4_weights(Tensor packed) -> Tensor");
+  m.def("half_linear(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_weights", &int4_weights);
+  m.impl("half_linear", &half_linear);
 }

@@ -393,6 +393,8 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, seq_len: int
         # the length it is set up for, so that keys already cached never mix the two sets.
         long = seq_len > scaling["original_max_position_embeddings"]
         return inv_freq / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, base, scaling)
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context = scaling["original_max_position_embeddings"]
@@ -403,13 +405,38 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None, seq_len: int
     return torch.where(wavelen < old_context / high, inv_freq, scaled)
 
 
+def yarn_inv_freq(inv_freq: Tensor, head_dim: int, base: float, scaling: dict) -> Tensor:
+    # YaRN: pairs that turn more than beta_fast times within the original context keep their frequency, pairs
+    # that turn fewer than beta_slow times are divided by `factor`, and those between blend linearly by pair index.
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times in old_context
+        return head_dim * math.log(old_context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(scaling.get("beta_fast", 32)), pair_turning(scaling.get("beta_slow", 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    # cos and sin are multiplied by it, so attention logits by its square (longrope, YaRN). YaRN's default is the
+    # paper's 0.1 ln(factor) + 1.
+    if scaling is None:
+        return 1.0
+    if scaling["rope_type"] == "yarn" and "attention_factor" not in scaling:
+        return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+    return scaling.get("attention_factor", 1.0)
+
+
 def precompute_freqs_cis(seq_len: int, head_dim: int, base: float, scaling: dict | None) -> Tensor:
-    # Returns [seq_len, head_dim // 2, 2] holding (cos, sin) of each position's angle for each pair, times
-    # longrope's attention factor (which scales the attention logits by its square).
+    # Returns [seq_len, head_dim // 2, 2] holding (cos, sin) of each position's angle for each pair, times the
+    # scaling's attention factor.
     inv_freq = rope_inv_freq(head_dim, base, scaling, seq_len).float()
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    factor = scaling.get("attention_factor", 1.0) if scaling is not None else 1.0
-    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1) * factor
+    return torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1) * rope_attention_factor(scaling)
 
 
 def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:

@@ -195,7 +195,8 @@ def base_model(args, dtype: torch.dtype, kernels: Kernels) -> Transformer:
 
 def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False) -> Entry:
     compiled, precision = config.compiled, config.precision
-    kernels = Kernels.choose(args.device, compiled, config.matvec, quantized=precision in ("int8", "int4"))
+    quantized, half = precision in ("int8", "int4"), precision == "bfloat16"
+    kernels = Kernels.choose(args.device, compiled, config.matvec, quantized, half=half)
     # int8 / int4: the float parts (and the activations) in generate.py's dtype for the device
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(precision, default_dtype(args.device))
 
@@ -234,6 +235,8 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
     native = {"int8": kernels.int8_native, "int4": kernels.int4_native}.get(precision)
     if native is not None:
         matvec = f"native {native}"
+    if half and kernels.half_native:
+        matvec = "native"
     path = f" ({matvec})" if args.device.type == "cpu" else ""
     file = f" {config.checkpoint.name}" if config.checkpoint else ""
     name = f"ours {'compiled' if compiled else 'eager'} {precision}{file}{path}" + (

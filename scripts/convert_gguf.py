@@ -107,6 +107,8 @@ def gguf_config_to_hf(reader) -> dict:
     if arch == "gemma3" and rope_type == "linear":  # Gemma 3 4B and larger: their global layers' positions scaled
         factor = metadata(reader, f"{arch}.rope.scaling.factor", required=True)
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float32_value(factor)}
+    elif rope_type == "yarn" and "rope_freqs.weight" not in names:
+        hf["rope_scaling"] = gguf_yarn(reader, arch)
     elif "rope_freqs.weight" in names or rope_type != "none":
         raise ValueError(
             "GGUF rope scaling (rope_freqs / rope.scaling) is not supported; convert the HF folder instead"
@@ -119,6 +121,31 @@ def gguf_config_to_hf(reader) -> dict:
     if metadata(reader, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count != head_dim) are not supported")
     return hf
+
+
+def gguf_yarn(reader, arch: str) -> dict:
+    """YaRN as llama.cpp's converter writes it for Qwen2/3 (factor, original context, optionally the betas). The keys
+    that scale attention on top of YaRN's own factor (DeepSeek's and others') are refused, not guessed."""
+    scaling = f"{arch}.rope.scaling"
+    neutral = {
+        "attn_factor": (1.0,),
+        "yarn_attn_factor": (1.0,),
+        "yarn_ext_factor": (-1.0, 1.0),
+        "yarn_log_multiplier": (0.0,),
+    }
+    for key, values in neutral.items():
+        if metadata(reader, f"{scaling}.{key}", values[0]) not in values:
+            raise ValueError(f"GGUF YaRN with {scaling}.{key} is not supported; convert the HF folder instead")
+    yarn = {
+        "rope_type": "yarn",
+        "factor": float32_value(metadata(reader, f"{scaling}.factor", required=True)),
+        "original_max_position_embeddings": metadata(reader, f"{scaling}.original_context_length", required=True),
+    }
+    for key in ("beta_fast", "beta_slow"):
+        value = metadata(reader, f"{scaling}.yarn_{key}")
+        if value is not None:
+            yarn[key] = float32_value(value)
+    return yarn
 
 
 def gguf_config_to_args(reader) -> ModelArgs:

@@ -73,6 +73,10 @@ def hf_config_to_args(hf: dict) -> ModelArgs:
     head_dim = hf.get("head_dim") or DEFAULT_HEAD_DIMS.get(model_type) or hf["hidden_size"] // n_head
     rope_base, rope_scaling, rope_local_base = hf_rope(hf, model_type, head_dim)
     window, layer_types = hf_attention_layers(hf, model_type)
+    block_size = hf.get("max_position_embeddings", 2048)
+    # Qwen's model cards add YaRN and leave max_position_embeddings at the original context: hold factor times it.
+    if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+        block_size = max(block_size, int(rope_scaling["factor"] * rope_scaling["original_max_position_embeddings"]))
     bias = hf.get("attention_bias", model_type == "qwen2")
     return ModelArgs(
         dim=hf["hidden_size"],
@@ -82,7 +86,7 @@ def hf_config_to_args(hf: dict) -> ModelArgs:
         head_dim=head_dim,
         intermediate_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
-        block_size=hf.get("max_position_embeddings", 2048),
+        block_size=block_size,
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -177,7 +181,27 @@ def hf_rope(hf: dict, model_type: str, head_dim: int) -> tuple[float, dict | Non
             },
             local_base,
         )
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope)")
+    if rope_type == "yarn":
+        return rope_base, hf_yarn(hf, rope), local_base
+    raise ValueError(
+        f"unsupported rope scaling type {rope_type!r} (supported: default, llama3, linear, longrope, yarn)"
+    )
+
+
+def hf_yarn(hf: dict, rope: dict) -> dict:
+    """YaRN's settings as transformers reads them: the original context defaults to max_position_embeddings, and the
+    attention factor, when not given, to the paper's (model.rope_attention_factor). DeepSeek's mscale is refused."""
+    original = rope.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    factor = rope.get("factor") or hf["max_position_embeddings"] / original
+    yarn = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    yarn |= {
+        key: rope[key]
+        for key in ("attention_factor", "beta_fast", "beta_slow", "truncate")
+        if rope.get(key) is not None
+    }
+    if rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise ValueError("rope scaling yarn with mscale / mscale_all_dim (DeepSeek's) is not supported")
+    return yarn
 
 
 def hf_attention_layers(hf: dict, model_type: str) -> tuple[int | None, list | None]:

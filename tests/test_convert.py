@@ -173,9 +173,10 @@ GGUF_BLOCK_NAMES = {
 }
 
 
-def write_hf_as_gguf(path, hf, arch: str, tensor_type):
+def write_hf_as_gguf(path, hf, arch: str, tensor_type, extra_metadata=None):
     """A transformers model as llama.cpp writes qwen2 and gemma3 files: q/k rows in Hugging Face's rotate-half
-    order (no permutation), Gemma's norm weights with 1 added, block weights in tensor_type."""
+    order (no permutation), Gemma's norm weights with 1 added, its RoPE scaling (linear, YaRN), block weights in
+    tensor_type. extra_metadata: more float32 keys, as {key: value}."""
     import gguf
     from gguf.quants import quantize
 
@@ -198,8 +199,14 @@ def write_hf_as_gguf(path, hf, arch: str, tensor_type):
     w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     if gemma:
         w.add_uint32(f"{arch}.attention.sliding_window", c.sliding_window)
+    if rope["rope_type"] != "default":
         w.add_string(f"{arch}.rope.scaling.type", rope["rope_type"])
         w.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    if rope["rope_type"] == "yarn":
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", rope["beta_fast"])
+    for key, value in (extra_metadata or {}).items():
+        w.add_float32(key, value)
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     for name, t in hf.state_dict().items():
         module, kind = name.rsplit(".", 1)
@@ -226,8 +233,20 @@ def write_hf_as_gguf(path, hf, arch: str, tensor_type):
     w.close()
 
 
+YARN = {
+    "rope_type": "yarn",
+    "factor": 2.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 4.0,
+    "rope_theta": 100.0,
+}
 GGUF_FAMILIES = {  # six layers: the Gemma 3 pattern GGUF files imply (five sliding, one global)
     "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, dict(num_key_value_heads=2)),
+    "qwen2_yarn": (  # a qwen2 file with YaRN, as llama.cpp's converter writes Qwen's
+        transformers.Qwen2ForCausalLM,
+        transformers.Qwen2Config,
+        dict(num_key_value_heads=2, max_position_embeddings=32, rope_parameters=YARN),
+    ),
     "gemma3": (
         transformers.Gemma3ForCausalLM,
         transformers.Gemma3TextConfig,
@@ -248,14 +267,16 @@ GGUF_FAMILIES = {  # six layers: the Gemma 3 pattern GGUF files imply (five slid
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("arch", GGUF_FAMILIES)
-def test_gguf_families_match_transformers(tmp_path, tiny_tokenizer_json, arch):
-    """A tiny Qwen2 (q/k/v biases) or Gemma 3 (norm offsets, q/k norms, windows, two RoPE bases) written as llama.cpp
-    writes them: float32 logits as transformers' (rounding alone, below 2e-5; a fault moves them by 1e-2 or more).
-    Written in Q4_0, the int4 conversion holds the file's blocks exactly, rows permuted with their groups."""
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_gguf_families_match_transformers(tmp_path, tiny_tokenizer_json, name):
+    """A tiny Qwen2 (q/k/v biases; YaRN past 32 positions) or Gemma 3 (norm offsets, q/k norms, windows, two RoPE
+    bases) written as llama.cpp writes them: float32 logits as transformers' (rounding alone, below 2e-5; a fault
+    moves them by 1e-2 or more). Written in Q4_0, the int4 conversion holds the file's blocks exactly, rows permuted
+    with their groups."""
     import gguf
 
-    model_cls, config_cls, overrides = GGUF_FAMILIES[arch]
+    model_cls, config_cls, overrides = GGUF_FAMILIES[name]
+    arch = name.split("_")[0]
     hf = make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
     write_hf_as_gguf(tmp_path / "m.gguf", hf, arch, gguf.GGMLQuantizationType.F32)
     reader = open_gguf(tmp_path / "m.gguf")
@@ -304,6 +325,12 @@ HUB_CONFIGS = {
     "qwen2_unused_window": dict(BASE, model_type="qwen2", use_sliding_window=False, sliding_window=4096),
     "qwen2_window": dict(BASE, model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2),
     "mistral": dict(BASE, model_type="mistral", sliding_window=4096),
+    "qwen2_yarn_card": dict(  # the edit Qwen's model cards describe for long texts
+        BASE,
+        model_type="qwen2",
+        max_position_embeddings=64,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
     "phi3_su": dict(
         BASE,
         model_type="phi3",
@@ -342,6 +369,23 @@ def test_hub_configs_read_as_transformers_reads_them(name):
     assert (args.rope_scaling or {}).get("rope_type", "default") == rope["rope_type"]
     if name == "phi3_su":  # the paper's attention factor for a 4x longer context
         assert math.isclose(args.rope_scaling["attention_factor"], math.sqrt(1 + math.log(256 / 64) / math.log(64)))
+    if name == "qwen2_yarn_card":  # the card leaves max_position_embeddings at the original context; we hold 4x
+        assert args.rope_scaling["factor"] == rope["factor"] and args.block_size == 4 * 64
+
+
+def test_gguf_yarn_refuses_attention_scaling_it_cannot_read(tmp_path, tiny_tokenizer_json):
+    """Keys that scale attention on top of YaRN's own factor are refused by name, not guessed; without them the file
+    holds factor times its original context."""
+    import gguf
+
+    model_cls, config_cls, overrides = GGUF_FAMILIES["qwen2_yarn"]
+    hf = make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, **overrides)
+    write_hf_as_gguf(tmp_path / "m.gguf", hf, "qwen2", gguf.GGMLQuantizationType.F32)
+    assert gguf_config_to_args(open_gguf(tmp_path / "m.gguf")).block_size == 2 * 32
+    extra = {"qwen2.rope.scaling.attn_factor": 0.5}
+    write_hf_as_gguf(tmp_path / "a.gguf", hf, "qwen2", gguf.GGMLQuantizationType.F32, extra)
+    with pytest.raises(ValueError, match="qwen2.rope.scaling.attn_factor"):
+        gguf_config_to_args(open_gguf(tmp_path / "a.gguf"))
 
 
 def test_unknown_family_is_refused_in_one_line(tmp_path):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.numerics
 # and AVX-512 machines); every fault this must catch (a missing norm offset, a soft-cap, a window one slot off, a
 # rotary base or factor, an expert's weight, a transposed Conv1D) moves some logit by more than 1e-2.
 TOLERANCE = 1e-4
-LENGTHS = (40, 80)  # both past every sliding window below; 80 also past Phi-3's original context (long factors)
+LENGTHS = (40, 80)  # both past every sliding window below; 80 also past Phi-3's and YaRN's original contexts
 HEAD_DIM_16 = 8  # rotary pairs of a 16-wide head
 
 
@@ -80,6 +80,21 @@ FAMILIES = {
         tf.Qwen2ForCausalLM,
         tf.Qwen2Config,
         dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "qwen2_yarn": (  # YaRN past its original 64 positions; base 100 and beta_fast 4 put pairs 2-4 on the ramp
+        tf.Qwen2ForCausalLM,
+        tf.Qwen2Config,
+        dict(
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 4.0,
+                "rope_theta": 100.0,
+            },
+        ),
     ),
     "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(num_key_value_heads=2, sliding_window=8)),
     "phi3": (

@@ -334,6 +334,30 @@ def test_without_a_compiler_the_pytorch_paths_run(tiny_checkpoint, tmp_path):
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
 
 
+@pytest.mark.skipif("avx2" not in kernels.native_isas(), reason="half_linear is kernels_cpu.cpp's AVX2 code")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_product_within_float32_rounding(ops, dtype):
+    """half_linear: bfloat16 / float16 weights (widened exactly) times float32 rows, within float32 rounding of the
+    float64 product (K units in the last place of the magnitudes' sum; a lost or doubled lane of 8 inputs misses
+    by far more); each row the same alone or beside others. A Linear with Kernels.half_native takes it for one row,
+    eager and compiled, and the fused product for two; its output rounds to the weights' dtype as the fused one's."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 328).to(dtype), torch.randn(3, 328).to(dtype).float()  # x as the layer is given it
+    y = ops.half_linear(x, weight)
+    reference_y = x.double() @ weight.double().T
+    assert (y.double() - reference_y).abs().le(328 * 2.0**-24 * (x.double().abs() @ weight.double().abs().T)).all()
+    assert torch.equal(ops.half_linear(x[1:2], weight), y[1:2])
+    layer = kernels.Linear(328, 96, bias=False)
+    layer.weight.data = weight
+    layer.kernels = kernels.Kernels("fused", half_native=True)
+    with torch.no_grad():
+        assert torch.equal(layer(x[:1].to(dtype), 8), y[:1].to(dtype))
+        assert torch.equal(torch.compile(layer, fullgraph=True, dynamic=False)(x[:1].to(dtype), 8), y[:1].to(dtype))
+        two = layer(x[:2].to(dtype), 8)  # eagerly the fused product's arithmetic, unrolled
+        fused_two = torch.stack([(row * weight.float()).sum(-1) for row in x[:2].to(dtype).float()]).to(dtype)
+    assert torch.equal(two, fused_two)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 100])
 def test_onednn_float32_product_eager_and_compiled(rows):
     """Kernels.float_gemm "onednn": float32 products by oneDNN, within float32 rounding of the float64 product (a

@@ -154,12 +154,20 @@ def test_generate_stops_at_eos(tiny_checkpoint):
 def test_config_validation(tmp_path):
     base = dict(dim=64, n_layer=2, n_head=4, intermediate_size=96, vocab_size=100)
     path = tmp_path / "config.json"
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     cases = {
         "not divisible by n_kv_heads": {**base, "n_kv_heads": 3},
         "missing fields ['vocab_size']": {k: v for k, v in base.items() if k != "vocab_size"},
         "unknown fields ['hidden_size']": {**base, "hidden_size": 64},
         "n_layer must be a positive integer": {**base, "n_layer": 0},
-        "unsupported rope_scaling": {**base, "rope_scaling": {"rope_type": "yarn"}},
+        "unsupported rope_scaling": {**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+        "rope_scaling original_max_position_embeddings must be a positive number": {
+            **base,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        },
+        "rope_scaling beta_fast must be a positive number": {**base, "rope_scaling": {**yarn, "beta_fast": "32"}},
+        "rope_scaling truncate must be true or false": {**base, "rope_scaling": {**yarn, "truncate": 1}},
+        "rope_scaling has unknown keys ['mscale']": {**base, "rope_scaling": {**yarn, "mscale": 1.0}},
         "norm_type must be one of rmsnorm, gemma_rmsnorm, layernorm": {**base, "norm_type": "batchnorm"},
         "hidden_act must be one of silu, gelu_tanh": {**base, "hidden_act": "relu"},
         "layer_types must list 2": {**base, "layer_types": ["full_attention"]},

@@ -7,7 +7,7 @@ from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_gre
 from decode import Steps, compile_steps
 from eval import perplexity
 from generate import generate, load_model
-from kernels import Kernels, native_kernels
+from kernels import Kernels, native_isas, native_kernels
 from quantize import default_text, quantize_model
 from tokenizer import load_tokenizer
 
@@ -115,6 +115,23 @@ def test_float32_eager_and_compiled_agree():
     for prompt in prompts:
         expected = generate(eager, prompt, 16).tokens[0]
         assert_same_greedy(eager, prompt, generate(compiled, prompt, 16, steps=steps).tokens[0], expected, TOLERANCE)
+
+
+@pytest.mark.skipif(not native_kernels() or "avx2" not in native_isas(), reason="half_linear is AVX2 code")
+def test_bfloat16_native_and_fused_decode_agree():
+    """bfloat16 weights' one-row products by kernels_cpu.cpp (half_linear, eager; what AVX2 CPUs pick) and by the
+    compiled fused product: the same greedy tokens on the test prompts, except at near-ties (the float32 sums, added
+    in another order, part where a layer's output rounds to bfloat16)."""
+    tokenizer = load_tokenizer(SMOLLM2_DIR)
+    prompts = [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
+    native = load_model(SMOLLM2_DIR, dtype=torch.bfloat16, kernels=Kernels(half_native=True))
+    fused = load_model(SMOLLM2_DIR, dtype=torch.bfloat16, kernels=Kernels("fused"))
+    steps = compile_steps(CPU)
+    fused.setup_caches(1, max(map(len, prompts)) + 16)  # one cache for every prompt: one compiled graph
+    for prompt in prompts:
+        expected = generate(native, prompt, 16).tokens[0]
+        got = generate(fused, prompt, 16, steps=steps).tokens[0]
+        assert_same_greedy(native, prompt, got, expected, CROSS_PATH_MARGIN)
 
 
 def test_prompt_lookup_gives_the_greedy_tokens():
