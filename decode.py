@@ -47,6 +47,28 @@ WINDOW_GROUP_ROWS = {"cpu": 4}
 Window = Tensor | tuple[Tensor, ...]  # a step's window (attention_window), or one per group of rows
 
 
+# A prompt longer than this enters the cache in pieces of this many positions (fill_cache), its last piece through
+# the prefill step: the attention's mask [S, positions] and the activations [S, ...] of a call then stay those of a
+# PREFILL_CHUNK-token prompt, whatever the prompt's length.
+PREFILL_CHUNK = 512
+
+
+def prompt_head(width: int) -> int:
+    """How many of a prompt's width positions fill_cache writes before the prefill step takes the rest (at most
+    PREFILL_CHUNK of them): 0 for a prompt of up to PREFILL_CHUNK tokens."""
+    return (width - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+
+
+@torch.no_grad()
+def fill_cache(model, x: Tensor, start: int, left_pad: Tensor | None = None):
+    """Writes the keys and values of x [B, S] at positions start..start + S - 1 into the cache, PREFILL_CHUNK
+    positions a call, each attending to the positions filled before it (left_pad: as in model.forward)."""
+    for a in range(0, x.shape[1], PREFILL_CHUNK):
+        b = min(a + PREFILL_CHUNK, x.shape[1])
+        positions = torch.arange(start + a, start + b, device=x.device)
+        model(x[:, a:b], positions, left_pad, last_only=True, kv_length=start + b, fused_rows=0)
+
+
 def prefill(
     model,
     x: Tensor,
@@ -235,10 +257,12 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Step
     left_pad = torch.tensor([width - n for n in lengths], device=device)
     s, generator = sampler_state(params, rows, model.config.vocab_size, device), params.generator(device)
     refill_noise(s, params, generator)
-    input_pos = torch.arange(start_pos, start_pos + width, device=device)
+    head = prompt_head(width)
+    fill_cache(model, x[:, :head], start_pos, left_pad)
+    input_pos = torch.arange(start_pos + head, start_pos + width, device=device)
     # kv_length: the prompt attends to the positions filled so far, not to the whole cache
     token, logprobs = steps.prefill(
-        model, x, input_pos, left_pad, s, greedy=params.greedy, n_logprobs=params.logprobs, kv_length=start_pos + width
+        model, x[:, head:], input_pos, left_pad, s, params.greedy, params.logprobs, kv_length=start_pos + width
     )
     yield token, logprobs
     input_pos = torch.tensor([start_pos + width], device=device)

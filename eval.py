@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import DEFAULT_CHECKPOINT, DTYPES, HelpFormatter, device_flag, user_errors
+from checkpoint import (
+    DEFAULT_CHECKPOINT,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    KV_CACHE_HELP,
+    HelpFormatter,
+    device_flag,
+    user_errors,
+)
 from generate import load_models
 from kernels import MATVECS
 from quantize import default_text
@@ -67,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--step_rows", type=int, default=None, help="tokens a forward pass (default: a window)")
     parser.add_argument("--device", type=device_flag, default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="the weights' and activations' dtype")
+    parser.add_argument("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_HELP)
     parser.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag (eager)")
     parser.add_argument("--json", action="store_true", help='last line: {"perplexity": x, "tokens": n}')
     args = parser.parse_args(argv)
@@ -83,7 +92,9 @@ def main(argv=None):
     args = parse_args(argv)
     with user_errors():
         text = read_text(args.text_file) if args.text_file else default_text()
-        model, tokenizer, _ = load_models(args.checkpoint_path, args.device, args.dtype, matvec=args.kernels)
+        model, tokenizer, _ = load_models(
+            args.checkpoint_path, args.device, args.dtype, matvec=args.kernels, kv_cache_dtype=args.kv_cache_dtype
+        )
         tokens = tokenizer.encode(text)[-args.max_tokens :]
         if len(tokens) < 2:
             raise ValueError(f"{args.text_file or 'the text'}: fewer than 2 tokens")

@@ -29,6 +29,8 @@ from checkpoint import (
     DEFAULT_CHECKPOINT,
     DEFAULT_DEVICE,
     DTYPES,
+    KV_CACHE_DTYPES,
+    KV_CACHE_HELP,
     HelpFormatter,
     device_flag,
     load_checkpoint,
@@ -46,8 +48,10 @@ from decode import (
     compile_steps,
     draft_and_verify,
     ensure_caches,
+    fill_cache,
     inductor_cache_dir,
     plain_steps,
+    prompt_head,
     token_steps,
 )
 from kernels import MATVECS, Kernels, set_kernels
@@ -191,9 +195,10 @@ def speculative_generate(
     synchronize(device)
     start = time.perf_counter()
     refill_noise(s_target, params, generator)
-    first, _ = steps.prefill(
-        model, x, torch.arange(len(prompt), device=device), no_pad, s_target, greedy, None, kv_length=len(prompt)
-    )
+    head = prompt_head(len(prompt))
+    fill_cache(model, x[:, :head], 0)
+    positions = torch.arange(head, len(prompt), device=device)
+    first, _ = steps.prefill(model, x[:, head:], positions, no_pad, s_target, greedy, None, kv_length=len(prompt))
     tokens = prompt + [int(first)]  # position i holds tokens[i]; the last is the current token, in no cache yet
     draft_cached = 0  # the positions the draft's cache holds (it catches up before it drafts)
     if draft is not None:  # the draft reads the prompt as part of the prefill: its first round may come at once
@@ -284,18 +289,13 @@ def stopped(tokens: list[int], prompt: list[int], stop: list[str], tokenizer) ->
 
 
 def catch_up(draft, tokens: list[int], cached: int) -> int:
-    """Feeds the draft, in one eager pass from position cached, the tokens its cache lacks but the last two (the
-    prompt, or what plain rounds made), which a round's first draft step reads (draft_input). Returns the positions
-    its cache holds."""
+    """Feeds the draft, eagerly from position cached (decode.fill_cache), the tokens its cache lacks but the last two
+    (the prompt, or what plain rounds made), which a round's first draft step reads (draft_input). Returns the
+    positions its cache holds."""
     pos, device = len(tokens) - 1, draft.tok_embeddings.weight.device
     if pos - 1 <= cached:
         return cached
-    draft(
-        torch.tensor([tokens[cached : pos - 1]], device=device),
-        torch.arange(cached, pos - 1, device=device),
-        last_only=True,
-        kv_length=pos - 1,
-    )
+    fill_cache(draft, torch.tensor([tokens[cached : pos - 1]], device=device), cached)
     return pos - 1
 
 
@@ -367,12 +367,13 @@ def load_models(
     draft_checkpoint_path: str | Path | None = None,
     shard=None,
     rows: int = 1,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[Transformer, Tokenizer, Transformer | None]:
     """What every script runs: the model, its tokenizer, and the draft model (None without one), checked to share
     the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for default_dtype(device); the CPU kernels are
     Kernels.choose(device, compiled, matvec, quantized, rows, half), quantized when either checkpoint is, half for a
     bfloat16/float16 dtype, rows the most a decode step computes (batch rows, times the positions a speculative round
-    verifies)."""
+    verifies). kv_cache_dtype: "int8" for quantized KV caches (model.KVCache), None for the model's dtype."""
     paths = [p for p in (checkpoint_path, draft_checkpoint_path) if p is not None]
     quantized = any(load_checkpoint(resolve_checkpoint(p))[1] is not None for p in paths)  # memory-mapped: cheap
     dtype = DTYPES[dtype_name] if dtype_name else default_dtype(device)
@@ -384,6 +385,8 @@ def load_models(
     if draft_checkpoint_path is not None:
         draft = load_model(draft_checkpoint_path, device, dtype, shard, kernels)
         check_draft_tokenizer(tokenizer, draft_checkpoint_path)
+    for m in (model, draft) if draft is not None else (model,):
+        m.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype] if kv_cache_dtype is not None else None
     return model, tokenizer, draft
 
 
@@ -436,6 +439,7 @@ def parser() -> argparse.ArgumentParser:
     arg("--speculate_k", type=int, default=4, help="tokens drafted per round at most (a controller picks how many)")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    arg("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_HELP)
     arg("--compile", action="store_true", help="torch.compile the decode step")
     arg("--compile_prefill", action="store_true", help="torch.compile the prefill too (dynamic shapes)")
     arg(
@@ -494,7 +498,15 @@ def run(args, device: torch.device, shard=None):
     rows = args.speculate_k + 1 if speculative else len(texts) * args.batch_size  # a step's at most
     start = time.perf_counter()
     model, tokenizer, draft = load_models(
-        args.checkpoint_path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, shard, rows
+        args.checkpoint_path,
+        device,
+        args.dtype,
+        args.compile,
+        args.kernels,
+        args.draft_checkpoint_path,
+        shard,
+        rows,
+        args.kv_cache_dtype,
     )
     print(f"Loaded {args.checkpoint_path} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
     sampling = sampling_params(args)

@@ -24,37 +24,62 @@ ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approxima
 
 
 class KVCache(nn.Module):
-    """Keys and values of every position, stored per KV head (before GQA expansion)."""
+    """Keys and values of every position, stored per KV head (before GQA expansion): in the model's dtype, or with
+    quantized set as int8 codes and a float32 scale per position and head (max |x| / 127), quantized as they are
+    written and widened to the model's dtype where they are read."""
 
-    def __init__(self, max_batch_size, max_seq_length, n_kv_heads, head_dim, dtype):
+    def __init__(self, max_batch_size, max_seq_length, n_kv_heads, head_dim, dtype, quantized: bool = False):
         super().__init__()
         shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.dtype = dtype
+        stored = torch.int8 if quantized else dtype
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=stored), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=stored), persistent=False)
+        scales = (*shape[:3], 1)
+        self.register_buffer("k_scale", torch.zeros(scales) if quantized else None, persistent=False)
+        self.register_buffer("v_scale", torch.zeros(scales) if quantized else None, persistent=False)
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor, cache_rows: Tensor | None = None):
         # k, v: [B, H_kv, S, D] written at positions input_pos, [S] for every row or [B, S] per row (a server's
         # slots, each at its own length), into cache rows 0..B-1 or the cache rows listed in cache_rows [B]
-        if cache_rows is None and input_pos.dim() == 1:
-            self.k_cache[: k.shape[0], :, input_pos] = k
-            self.v_cache[: k.shape[0], :, input_pos] = v
-        else:
-            rows = torch.arange(k.shape[0], device=k.device) if cache_rows is None else cache_rows
-            self.k_cache[rows[:, None], :, input_pos] = k.transpose(1, 2)  # [B, S] beside [B, 1]
-            self.v_cache[rows[:, None], :, input_pos] = v.transpose(1, 2)
+        for cache, scale, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
+            if scale is None:
+                write_positions(cache, input_pos, x, cache_rows)
+            else:
+                amax = x.float().abs().amax(-1, keepdim=True)
+                codes = (x.float() * (127 / amax.clamp(min=torch.finfo(torch.float32).tiny))).round()
+                write_positions(cache, input_pos, codes.to(torch.int8), cache_rows)
+                write_positions(scale, input_pos, amax / 127, cache_rows)
 
     def read(self, rows: slice | Tensor, length: int) -> tuple[Tensor, Tensor]:
         """The keys and values of some cache rows (a slice of them, or a tensor listing them) at positions
-        0..length-1, [rows, H_kv, length, D]: views of the cache, or for listed rows copies of those positions."""
-        return self.k_cache[rows, :, :length], self.v_cache[rows, :, :length]
+        0..length-1, [rows, H_kv, length, D] in the model's dtype: views of the cache, or for listed rows (or a
+        quantized cache) copies of those positions."""
+        k, v = self.k_cache[rows, :, :length], self.v_cache[rows, :, :length]
+        if self.k_scale is None:
+            return k, v
+        k_scale, v_scale = self.k_scale[rows, :, :length], self.v_scale[rows, :, :length]
+        return (k * k_scale).to(self.dtype), (v * v_scale).to(self.dtype)
+
+    def buffers_by_position(self) -> list[Tensor]:
+        return [b for b in (self.k_cache, self.v_cache, self.k_scale, self.v_scale) if b is not None]
 
     def copy_positions(self, source: int, row: int, start: int, end: int):
-        self.k_cache[row, :, start:end] = self.k_cache[source, :, start:end]
-        self.v_cache[row, :, start:end] = self.v_cache[source, :, start:end]
+        for cache in self.buffers_by_position():
+            cache[row, :, start:end] = cache[source, :, start:end]
 
     def swap_rows(self, a: int, b: int, end: int):
-        for cache in (self.k_cache, self.v_cache):
+        for cache in self.buffers_by_position():
             cache[[a, b], :, :end] = cache[[b, a], :, :end]
+
+
+def write_positions(cache: Tensor, input_pos: Tensor, x: Tensor, cache_rows: Tensor | None):
+    """x [B, H_kv, S, *] into cache [rows, H_kv, positions, *] at input_pos (see KVCache.update)."""
+    if cache_rows is None and input_pos.dim() == 1:
+        cache[: x.shape[0], :, input_pos] = x
+    else:
+        rows = torch.arange(x.shape[0], device=x.device) if cache_rows is None else cache_rows
+        cache[rows[:, None], :, input_pos] = x.transpose(1, 2)  # [B, S] beside [B, 1]
 
 
 class Transformer(nn.Module):
@@ -74,15 +99,37 @@ class Transformer(nn.Module):
         self.register_buffer("packed_output", None, persistent=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
+        self.kv_cache_dtype: torch.dtype | None = None  # torch.int8: quantized caches (KVCache); None: the model's
+
+    def kv_bytes_per_position(self, dtype: torch.dtype | None = None) -> int:
+        """The KV cache's bytes for one position of one row, over every layer (of this rank, under tensor
+        parallelism): int8 codes and a float32 scale per head where kv_cache_dtype is int8, else dtype's values."""
+        heads = sum(layer.attention.n_kv_heads for layer in self.layers)
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        per_head = (
+            self.config.head_dim + 4 if self.kv_cache_dtype == torch.int8 else self.config.head_dim * dtype.itemsize
+        )
+        return 2 * heads * per_head
+
+    def kv_cache_figures(self) -> dict:
+        """The KV caches' dtype (int8: quantized), bytes per position of a row, and bytes as set up (all rows)."""
+        dtype = self.kv_cache_dtype or self.tok_embeddings.weight.dtype
+        per_position = self.kv_bytes_per_position()
+        return {
+            "kv_cache_dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_bytes_per_token": per_position,
+            "kv_cache_bytes": per_position * max(self.max_batch_size, 0) * max(self.max_seq_length, 0),
+        }
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype: torch.dtype | None = None):
+        # dtype: the keys' and values' (default: the model's); the cache stores int8 codes where kv_cache_dtype says
         if max_seq_length > self.config.block_size:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's block_size {self.config.block_size}")
         dtype = dtype or self.tok_embeddings.weight.dtype
         device = self.tok_embeddings.weight.device
         c = self.config
-        heads = sum(layer.attention.n_kv_heads for layer in self.layers)  # fewer per rank under tensor parallelism
-        size = 2 * heads * max_batch_size * max_seq_length * c.head_dim * dtype.itemsize
+        quantized = self.kv_cache_dtype == torch.int8
+        size = max_batch_size * max_seq_length * self.kv_bytes_per_position(dtype)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.type == "cpu" else None
         if memory is not None and size > memory:  # the allocation would not fail cleanly: the OOM killer ends us
             raise ValueError(
@@ -93,7 +140,9 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 attn = layer.attention
                 with torch.device(device):
-                    attn.kv_cache = KVCache(max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype)
+                    attn.kv_cache = KVCache(
+                        max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype, quantized
+                    )
         except torch.OutOfMemoryError:
             self.max_batch_size = self.max_seq_length = -1  # the layers' caches are mixed now: set up anew next time
             raise ValueError(

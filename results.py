@@ -203,4 +203,5 @@ def summarize(runs: list[Generation], model: Transformer, device: torch.device, 
         "peak_memory_gb": peak_memory_gb(device),
         "compile_time_s": compile_time,
         "kernels": model.kernels.describe() if device.type == "cpu" else None,
+        **model.kv_cache_figures(),
     }

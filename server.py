@@ -36,6 +36,8 @@ from checkpoint import (
     DEFAULT_CHECKPOINT,
     DEFAULT_DEVICE,
     DTYPES,
+    KV_CACHE_DTYPES,
+    KV_CACHE_HELP,
     HelpFormatter,
     device_flag,
     resolve_checkpoint,
@@ -111,6 +113,7 @@ def make_app(app_state: AppState) -> FastAPI:
             "slots": len(engine.slots),
             "waiting": engine.waiting.qsize(),
             "speculation": None if engine.speculation is None else engine.speculation_figures(),
+            **engine.model.kv_cache_figures(),
         }
 
     @app.get("/")
@@ -342,6 +345,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    arg("--kv_cache_dtype", choices=KV_CACHE_DTYPES, default=None, help=KV_CACHE_HELP)
     arg("--compile", action="store_true", help="torch.compile the decode step (one graph per power-of-two batch)")
     arg("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag")
     arg("--draft_checkpoint_path", type=Path, default=None, help="a draft model (same tokenizer): speculative decoding")
@@ -373,7 +377,14 @@ def main(argv=None):
         speculative = args.draft_checkpoint_path is not None or args.ngram
         rows = args.max_batch_size * (args.speculate_k + 1 if speculative else 1)  # a step's at most
         model, tokenizer, draft = load_models(
-            path, device, args.dtype, args.compile, args.kernels, args.draft_checkpoint_path, rows=rows
+            path,
+            device,
+            args.dtype,
+            args.compile,
+            args.kernels,
+            args.draft_checkpoint_path,
+            rows=rows,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         if draft is not None:
             check_speculation(model, draft, SamplingParams(), args.speculate_k)

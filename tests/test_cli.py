@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import generate as gen
-from conftest import ROOT, assert_same_greedy
+from conftest import ROOT, SMOLLM2_DIR, assert_same_greedy
 from tokenizer import load_tokenizer
 
 
@@ -188,3 +188,23 @@ def test_compiled_code_follows_the_cpu_capability(tiny_checkpoint, tmp_path):
     expected = gen.generate(model, ids, 40).tokens[0]
     for report in reports.values():  # compiled and eager may part only at a near-tie, as in test_compile.py
         assert_same_greedy(model, ids, report["tokens"][0], expected, margin=1e-4)
+
+
+def test_passkey_prompts_hide_the_key_where_asked_and_the_model_finds_it(capsys):
+    """scripts/passkey.py: a prompt of at most the length asked for, short of it by less than two filler sentences,
+    holding its key twice, the needle at the depth asked for (within a sentence); the default model answers a
+    256-token case with its key."""
+    from passkey import FILLER, NEEDLE, main, passkey_prompt
+
+    tokenizer = load_tokenizer(SMOLLM2_DIR)
+    sentence = len(tokenizer.encode(FILLER))
+    for length in (300, 1000):
+        for depth in (0.1, 0.9):
+            prompt = passkey_prompt(tokenizer, length, depth, 12345)
+            text = tokenizer.decode(prompt)
+            assert length - 2 * sentence < len(prompt) <= length and text.count("12345") == 2
+            needle, fillers = text.index(NEEDLE.format(key=12345)), text.count(FILLER)
+            assert abs(text[:needle].count(FILLER) / fillers - depth) <= 1 / fillers
+    main(["--lengths", "256", "--depths", "0.5"])
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert len(rows) == 3 and rows[2].split("|")[5].strip() == "True", rows

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import decode
 from chat import Chat
 from conftest import SMOLLM2_DIR, SMOLLM2_PROMPTS, assert_same_greedy
 from decode import Steps, Stream, decode_one_token, prefill
@@ -258,6 +259,31 @@ def test_prefill_never_fuses(tiny_checkpoint):
             outputs.append(prefill(model, x, torch.arange(9), torch.zeros(1, dtype=torch.long), s, True, 3))
     (token, logprobs), (fused_token, fused_logprobs) = outputs
     assert torch.equal(token, fused_token) and all(map(torch.equal, logprobs, fused_logprobs))
+
+
+def test_a_long_prompt_enters_the_cache_in_pieces(tiny_checkpoint, monkeypatch):
+    """Prompts longer than decode.PREFILL_CHUNK (8 here) enter the cache in pieces, each attending to the positions
+    before it: the greedy tokens of one piece (they differ by float32 rounding alone, so the margin is small), for a
+    batch of prompts of different lengths (left-padded, one shorter than a piece), a continuation of cached positions
+    (a chat's next turn), and speculation by prompt lookup. A piece that attended to itself alone, or sat at the
+    wrong positions, would part the tokens with a wide margin."""
+    model = load_model(tiny_checkpoint)
+    prompts = random_prompts([37, 6, 20], model.config.vocab_size)
+    rounds = {0: 1.0, 2: 1.0}  # round costs alike: every round verifies what prompt lookup proposes
+    outputs = {}
+    for chunk in (4096, 8):
+        monkeypatch.setattr(decode, "PREFILL_CHUNK", chunk)
+        batch = generate(model, prompts, 12).tokens
+        lookup = generate(model, prompts[0] * 2, 12, ngram=True, speculate_k=2, round_costs=rounds).tokens[0]
+        first = generate(model, prompts[0], 4).tokens[0]
+        model.setup_caches(1, 80)  # the next turn continues from the 41 positions cached
+        list(decode.token_steps(model, [prompts[0] + first], 1, SamplingParams(), Steps()))
+        turn = [int(t) for t, _ in decode.token_steps(model, [prompts[2]], 8, SamplingParams(), Steps(), start_pos=41)]
+        outputs[chunk] = batch, lookup, turn
+    for got, expected, prompt in zip(outputs[8][0], outputs[4096][0], prompts):
+        assert_same_greedy(model, prompt, got, expected, 1e-4)
+    assert_same_greedy(model, prompts[0] * 2, outputs[8][1], outputs[4096][1], 1e-4)
+    assert outputs[8][2] == outputs[4096][2]
 
 
 def test_decode_steps_read_only_the_filled_part_of_a_long_cache(tiny_checkpoint):

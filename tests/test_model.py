@@ -10,7 +10,7 @@ from config import ModelArgs
 from conftest import assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from generate import generate, load_model
-from model import grouped_attention
+from model import KVCache, Transformer, grouped_attention
 
 pytestmark = pytest.mark.numerics
 
@@ -193,3 +193,30 @@ def test_config_validation(tmp_path):
         ModelArgs.from_json(tmp_path / "absent.json")
     path.write_text(json.dumps({**base, "head_dim": 24}))
     assert ModelArgs.from_json(path).head_dim == 24
+
+
+def test_int8_kv_cache_holds_each_position_within_half_a_step():
+    """An int8 KVCache reads back each position and head within half a quantization step of what was written
+    (max |x| / 254 of that position and head, plus float32 rounding), for listed rows too; zeros stay zeros; copying
+    and swapping rows move the scales with the codes; and it holds about a quarter of float32's bytes."""
+    torch.manual_seed(0)
+    cache = KVCache(3, 10, 2, 64, torch.float32, quantized=True)
+    k, v = torch.randn(2, 2, 6, 64) * torch.rand(2, 2, 6, 1) * 10, torch.randn(2, 2, 6, 64)
+    v[0, 1, 2] = 0
+    cache.update(torch.arange(6), k, v)
+    for written, read in zip((k, v), cache.read(slice(0, 2), 6)):
+        step = written.abs().amax(-1, keepdim=True) / 127
+        assert (read - written).abs().le(step * (0.5 + 1e-4)).all()  # the slack: float32 rounding of x * 127 / max
+        assert (read - written).abs().amax() > step.amin() / 10  # it is quantized, not stored as given
+    assert torch.equal(cache.read(slice(0, 2), 6)[1][0, 1, 2], torch.zeros(64))
+    rows = torch.tensor([1, 0])
+    assert torch.equal(cache.read(rows, 6)[0], cache.read(slice(0, 2), 6)[0][[1, 0]])
+    before = cache.read(slice(0, 2), 6)
+    cache.copy_positions(0, 2, 0, 6)
+    assert torch.equal(cache.read(slice(2, 3), 6)[0], before[0][:1])
+    cache.swap_rows(0, 1, 6)
+    assert torch.equal(cache.read(slice(0, 1), 6)[1], before[1][1:2])
+    model = Transformer(ModelArgs(dim=64, n_layer=2, n_head=4, intermediate_size=96, vocab_size=100, n_kv_heads=2))
+    float_bytes = model.kv_bytes_per_position()
+    model.kv_cache_dtype = torch.int8
+    assert model.kv_bytes_per_position() == 2 * 2 * 2 * (16 + 4) and float_bytes == 2 * 2 * 2 * 16 * 4
