@@ -81,6 +81,23 @@ def test_compiled_decode_steps_never_wait_for_the_gpu(tiny_checkpoint, device):
         plain_steps(model, steps, token, 8, 16, *run)
 
 
+def test_compiled_int8_kv_cache_equals_eager(tiny_checkpoint, device):
+    """--kv_cache_dtype int8 compiled (on CUDA, CUDA graphs that write and read the codes and their scales) gives
+    eager's tokens, one graph for every step. On a CPU test_real_model checks this on the default model."""
+    if device.type == "cpu":
+        pytest.skip("a CPU's compiled int8 cache is checked on the real model (test_real_model.py)")
+    model = load_model(tiny_checkpoint, device)
+    model.kv_cache_dtype = torch.int8
+    eager = generate(model, PROMPTS, 40).tokens
+    torch._dynamo.reset()
+    steps = compile_steps(device)
+    generate(model, PROMPTS, 2, steps=steps)  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate(model, PROMPTS, 40, steps=steps).tokens
+    for prompt, got, expected in zip(PROMPTS, compiled, eager):
+        assert_same_greedy(model, prompt, got, expected, MARGIN)
+
+
 @contextlib.contextmanager
 def no_waiting(device):
     """Inside, any call that waits for the GPU is an error (CUDA's sync debug mode)."""

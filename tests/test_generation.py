@@ -261,13 +261,13 @@ def test_prefill_never_fuses(tiny_checkpoint):
     assert torch.equal(token, fused_token) and all(map(torch.equal, logprobs, fused_logprobs))
 
 
-def test_a_long_prompt_enters_the_cache_in_pieces(tiny_checkpoint, monkeypatch):
+def test_a_long_prompt_enters_the_cache_in_pieces(tiny_checkpoint, monkeypatch, device):
     """Prompts longer than decode.PREFILL_CHUNK (8 here) enter the cache in pieces, each attending to the positions
     before it: the greedy tokens of one piece (they differ by float32 rounding alone, so the margin is small), for a
     batch of prompts of different lengths (left-padded, one shorter than a piece), a continuation of cached positions
     (a chat's next turn), and speculation by prompt lookup. A piece that attended to itself alone, or sat at the
     wrong positions, would part the tokens with a wide margin."""
-    model = load_model(tiny_checkpoint)
+    model = load_model(tiny_checkpoint, device)
     prompts = random_prompts([37, 6, 20], model.config.vocab_size)
     rounds = {0: 1.0, 2: 1.0}  # round costs alike: every round verifies what prompt lookup proposes
     outputs = {}

@@ -195,21 +195,21 @@ def test_config_validation(tmp_path):
     assert ModelArgs.from_json(path).head_dim == 24
 
 
-def test_int8_kv_cache_holds_each_position_within_half_a_step():
+def test_int8_kv_cache_holds_each_position_within_half_a_step(device):
     """An int8 KVCache reads back each position and head within half a quantization step of what was written
     (max |x| / 254 of that position and head, plus float32 rounding), for listed rows too; zeros stay zeros; copying
     and swapping rows move the scales with the codes; and it holds about a quarter of float32's bytes."""
     torch.manual_seed(0)
-    cache = KVCache(3, 10, 2, 64, torch.float32, quantized=True)
-    k, v = torch.randn(2, 2, 6, 64) * torch.rand(2, 2, 6, 1) * 10, torch.randn(2, 2, 6, 64)
+    cache = KVCache(3, 10, 2, 64, torch.float32, quantized=True).to(device)
+    k, v = (torch.randn(2, 2, 6, 64) * torch.rand(2, 2, 6, 1) * 10).to(device), torch.randn(2, 2, 6, 64).to(device)
     v[0, 1, 2] = 0
-    cache.update(torch.arange(6), k, v)
+    cache.update(torch.arange(6, device=device), k, v)
     for written, read in zip((k, v), cache.read(slice(0, 2), 6)):
         step = written.abs().amax(-1, keepdim=True) / 127
         assert (read - written).abs().le(step * (0.5 + 1e-4)).all()  # the slack: float32 rounding of x * 127 / max
         assert (read - written).abs().amax() > step.amin() / 10  # it is quantized, not stored as given
-    assert torch.equal(cache.read(slice(0, 2), 6)[1][0, 1, 2], torch.zeros(64))
-    rows = torch.tensor([1, 0])
+    assert torch.equal(cache.read(slice(0, 2), 6)[1][0, 1, 2], torch.zeros(64, device=device))
+    rows = torch.tensor([1, 0], device=device)
     assert torch.equal(cache.read(rows, 6)[0], cache.read(slice(0, 2), 6)[0][[1, 0]])
     before = cache.read(slice(0, 2), 6)
     cache.copy_positions(0, 2, 0, 6)
