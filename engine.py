@@ -157,8 +157,8 @@ class Engine:
         self.context = self.idle_position - (draft is not None)
         if self.context < 2:
             raise ValueError(
-                f"--max_seq_length {max_seq_length} leaves no room for a prompt and a reply"
-                + (f" beside speculate_k {self.k}" if self.k else "")
+                f"slots of {max_seq_length} positions (--max_seq_length, or what --kv_cache_memory holds) leave no "
+                "room for a prompt and a reply" + (f" beside speculate_k {self.k}" if self.k else "")
             )
         if prefill_chunk < 1:
             raise ValueError(f"--prefill_chunk must be >= 1, got {prefill_chunk}")
@@ -276,6 +276,18 @@ class Engine:
 
     def busy_slots(self) -> list[int]:
         return [i for i, c in enumerate(self.slots) if c is not None]
+
+    def kv_cache_figures(self) -> dict:
+        """The model's Transformer.kv_cache_figures with the draft's bytes added, the positions of all the slots, and
+        those that requests hold now (a slot's prompt and reply so far)."""
+        figures = [m.kv_cache_figures() for m in self.models]
+        return {
+            **figures[0],
+            "kv_cache_bytes_per_token": sum(f["kv_cache_bytes_per_token"] for f in figures),
+            "kv_cache_bytes": sum(f["kv_cache_bytes"] for f in figures),
+            "kv_cache_positions": len(self.slots) * (self.horizon + 1),
+            "kv_cache_used_positions": sum(len(self.cached[i]) for i in self.busy_slots()),
+        }
 
     def loop(self):
         while True:

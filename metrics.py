@@ -65,7 +65,19 @@ def server_metrics(engine: Engine) -> Metrics:
         "queue_length": ("Choices waiting for a slot.", engine.waiting.qsize),
         "busy_slots": ("Slots holding a request.", lambda: len(engine.busy_slots())),
         "prefilling_slots": ("Slots whose prompt is being prefilled.", lambda: len(engine.prefilling)),
-        "slots": ("Slots of the KV cache (--max_batch_size).", lambda: len(engine.slots)),
+        "slots": ("Slots of the KV cache.", lambda: len(engine.slots)),
+        "kv_cache_bytes": (
+            "Bytes of the KV caches, the draft's too.",
+            lambda: engine.kv_cache_figures()["kv_cache_bytes"],
+        ),
+        "kv_cache_positions": (
+            "Positions of the KV cache: slots times positions per slot.",
+            lambda: engine.kv_cache_figures()["kv_cache_positions"],
+        ),
+        "kv_cache_used_positions": (
+            "Positions of the KV cache that requests hold: their prompts and replies so far.",
+            lambda: engine.kv_cache_figures()["kv_cache_used_positions"],
+        ),
     }
     for name, (text, read) in gauges.items():
         Gauge(PREFIX + name, text, registry=registry).set_function(read)

@@ -16,6 +16,7 @@ import gc
 import hmac
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -53,6 +55,11 @@ from sampling import SamplingParams
 from tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20
+DEFAULT_SLOTS = 8  # slots without --max_batch_size, where the KV cache budget holds them
+# Without --kv_cache_memory the KV caches may take this share of the memory free once the weights are loaded: the rest
+# is for activations, compiled code and whatever else runs on the machine.
+KV_MEMORY_SHARE = 0.5
+GiB = 1 << 30
 CHAT_PAGE = Path(__file__).resolve().parent / "chat.html"
 log = logging.getLogger("server")
 
@@ -63,6 +70,7 @@ class AppState:
     model_name: str
     api_key: str | None
     metrics: Metrics
+    kv_cache_budget: int  # bytes the KV caches were sized to (--kv_cache_memory)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -111,9 +119,11 @@ def make_app(app_state: AppState) -> FastAPI:
             "busy_slots": len(engine.busy_slots()),
             "prefilling_slots": len(engine.prefilling),
             "slots": len(engine.slots),
+            "max_seq_length": engine.horizon + 1,
             "waiting": engine.waiting.qsize(),
             "speculation": None if engine.speculation is None else engine.speculation_figures(),
-            **engine.model.kv_cache_figures(),
+            **engine.kv_cache_figures(),
+            "kv_cache_budget_bytes": app_state.kv_cache_budget,
         }
 
     @app.get("/")
@@ -338,8 +348,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--model_name", default=None, help="the model's name in the API; default: the checkpoint's folder name")
     arg("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     arg("--port", type=int, default=8000, help="port to listen on")
-    arg("--max_batch_size", type=int, default=8, help="requests decoded together (slots of the KV cache)")
-    arg("--max_seq_length", type=int, default=2048, help="positions per slot: prompt plus reply (capped by the model)")
+    arg(
+        "--kv_cache_memory",
+        type=float,
+        default=None,
+        help=f"GiB for the KV caches (default: {KV_MEMORY_SHARE:.0%} of the memory free once the model is loaded)",
+    )
+    arg(
+        "--max_batch_size",
+        type=int,
+        default=None,
+        help=f"requests decoded together, slots of the KV cache (default: as many as the budget holds, up to "
+        f"{DEFAULT_SLOTS})",
+    )
+    arg(
+        "--max_seq_length",
+        type=int,
+        default=None,
+        help="positions per slot, prompt plus reply (default: the model's context, or what the budget holds)",
+    )
     arg("--max_queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
     arg("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled between two decode steps")
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
@@ -359,13 +386,48 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ngram and args.draft_checkpoint_path is not None:
         p.error("--ngram drafts from the context, --draft_checkpoint_path with a draft model: choose one")
     for name in ("max_batch_size", "max_queue", "prefill_chunk", "speculate_k"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
-    if args.max_seq_length < 2:
+    if args.max_seq_length is not None and args.max_seq_length < 2:
         p.error("--max_seq_length must be >= 2")
+    if args.kv_cache_memory is not None and not 0 < args.kv_cache_memory < float("inf"):
+        p.error(f"--kv_cache_memory must be a positive number of GiB, got {args.kv_cache_memory}")
     return args
+
+
+def free_memory(device) -> int:
+    """Bytes free on device: CUDA's free memory, or the memory Linux reports available (MemAvailable: free pages
+    plus the page cache it can drop), else the free pages."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # "MemAvailable:   12345678 kB"
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_shape(
+    budget: int, bytes_per_position: int, context: int, slots: int | None, length: int | None
+) -> tuple[int, int]:
+    """(slots, positions per slot) of KV caches that take at most budget bytes, bytes_per_position for a position of
+    one slot. A length not given is the model's context, or what the budget holds for the slots given (default one);
+    slots not given are as many as the budget holds at that length, up to DEFAULT_SLOTS. ValueError where the budget
+    cannot hold what was asked for."""
+    positions = budget // bytes_per_position
+    length = min(length or positions // (slots or 1), context)
+    slots = slots or min(DEFAULT_SLOTS, positions // max(length, 1))
+    if length < 2 or slots < 1 or slots * length > positions:
+        slots, length = max(slots, 1), max(length, 2)
+        raise ValueError(
+            f"{slots} slot(s) of {length} positions need {slots * length * bytes_per_position / GiB:.3g} GiB of KV "
+            f"cache, more than the budget of {budget / GiB:.3g} GiB: set --kv_cache_memory, or fewer "
+            f"--max_batch_size or --max_seq_length"
+        )
+    return slots, length
 
 
 def main(argv=None):
@@ -375,7 +437,8 @@ def main(argv=None):
         device = args.device
         path = resolve_checkpoint(args.checkpoint_path)
         speculative = args.draft_checkpoint_path is not None or args.ngram
-        rows = args.max_batch_size * (args.speculate_k + 1 if speculative else 1)  # a step's at most
+        # A step's rows at most, for the choice of kernels: the slots are known once the model is loaded.
+        rows = (args.max_batch_size or DEFAULT_SLOTS) * (args.speculate_k + 1 if speculative else 1)
         model, tokenizer, draft = load_models(
             path,
             device,
@@ -389,9 +452,18 @@ def main(argv=None):
         if draft is not None:
             check_speculation(model, draft, SamplingParams(), args.speculate_k)
         steps = compile_steps(device, args.compile)
-        max_seq_length = min(
-            args.max_seq_length, model.config.block_size, *([draft.config.block_size] if draft else [])
+        models = (model, draft) if draft is not None else (model,)
+        free, per_position = free_memory(device), sum(m.kv_bytes_per_position() for m in models)
+        gib = args.kv_cache_memory
+        budget = int(gib * GiB) if gib is not None else int(free * KV_MEMORY_SHARE)
+        slots, max_seq_length = kv_cache_shape(
+            budget, per_position, min(m.config.block_size for m in models), args.max_batch_size, args.max_seq_length
         )
+        if slots * max_seq_length * per_position > free:  # a budget above what is free: out of memory later
+            raise ValueError(
+                f"{slots} slot(s) of {max_seq_length} positions need {slots * max_seq_length * per_position / GiB:.3g}"
+                f" GiB of KV cache, but {free / GiB:.3g} GiB of memory is free: set a smaller --kv_cache_memory"
+            )
         tokenizer_file = path.parent / "tokenizer.json"  # structured output reads it (grammar.py)
         vocabulary = (
             grammar_vocabulary(tokenizer_file, model.config.vocab_size, tokenizer.eos_ids)
@@ -401,7 +473,7 @@ def main(argv=None):
         engine = Engine(
             model,
             tokenizer,
-            args.max_batch_size,
+            slots,
             max_seq_length,
             steps,
             args.max_queue,
@@ -416,7 +488,7 @@ def main(argv=None):
         # What loading and compiling made lives as long as the server: Python's full collections would walk it all,
         # each stalling the engine and the HTTP thread (they hold the interpreter); frozen, collections skip it.
         gc.freeze()
-        app_state = AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine))
+        app_state = AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine), budget)
         app = make_app(app_state)
         # HTTP is served from a thread of its own, and the engine runs here, in the thread that loaded and compiled the
         # model: OpenMP keeps a pool of workers per thread that runs parallel work, and with two pools on the cores
@@ -430,13 +502,18 @@ def main(argv=None):
             if not serving.is_alive():
                 raise ValueError(f"cannot listen on {args.host}:{args.port} (uvicorn's error above)")
             time.sleep(0.05)
+        figures = engine.kv_cache_figures()
         log.info(
-            "serving %s on http://%s:%d (%d slots of %d positions%s)",
+            "serving %s on http://%s:%d: %d slot%s of %d positions, KV cache %.2f GiB (%s) of a %.2f GiB budget%s",
             path,
             args.host,
             args.port,
-            args.max_batch_size,
+            slots,
+            "s" if slots > 1 else "",
             max_seq_length,
+            figures["kv_cache_bytes"] / GiB,
+            figures["kv_cache_dtype"],
+            budget / GiB,
             f", draft {args.draft_checkpoint_path}" if draft else "",
         )
         engine.loop()

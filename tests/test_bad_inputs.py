@@ -22,6 +22,7 @@ import torch
 import eval as evaluate
 import generate
 import quantize
+import server
 from benchmark import main as benchmark_main
 from conftest import ROOT, make_hf_llama, write_gguf
 from convert_gguf import main as convert_gguf_main
@@ -47,6 +48,7 @@ BASE_ARGS = {
     ],
     "convert_hf": ["--checkpoint_dir", "{tmp}/hf", "--out_dir", "{tmp}/out"],
     "convert_gguf": ["--gguf", "{tmp}/m.gguf", "--out_dir", "{tmp}/out"],
+    "server": ["--checkpoint_path", "{tmp}/ckpt", "--port", "8199"],
 }
 MAINS = {
     "generate": generate.main,
@@ -55,6 +57,7 @@ MAINS = {
     "benchmark": benchmark_main,
     "convert_hf": convert_hf_main,
     "convert_gguf": convert_gguf_main,
+    "server": server.main,
 }
 
 
@@ -142,6 +145,15 @@ def index_with_missing_shard(tmp):
 
 RANDOM = bytes(range(256)) * 3
 CASES = [
+    # server.py: the KV cache's budget (the tiny model's keys and values take 512 bytes a position, 256 positions)
+    ("server", None, ["--kv_cache_memory", "0"], "--kv_cache_memory"),
+    ("server", None, ["--kv_cache_memory", "nan"], "--kv_cache_memory"),
+    ("server", None, ["--kv_cache_memory", "0.000001"], "--kv_cache_memory"),  # 2 positions: no room for a reply
+    ("server", None, ["--kv_cache_memory", "0.0000001"], "--kv_cache_memory"),  # not one position
+    ("server", None, ["--kv_cache_memory", "1", "--max_batch_size", "100000", "--max_seq_length", "256"], "budget"),
+    ("server", None, ["--kv_cache_memory", "10000", "--max_batch_size", "10000000"], "free"),
+    ("server", None, ["--max_batch_size", "0"], "--max_batch_size"),
+    ("server", None, ["--max_seq_length", "1"], "--max_seq_length"),
     # generate.py: the checkpoint folder's files
     ("generate", write("ckpt/config.json", "null"), [], "config.json"),
     ("generate", edit_json("ckpt/config.json", rope_base="abc"), [], "rope_base"),

@@ -40,6 +40,7 @@ from eval import text_logprobs
 from generate import generate, load_model
 from grammar import grammar_vocabulary, new_matcher, regex_grammar
 from sampling import SamplingParams
+from server import DEFAULT_SLOTS, kv_cache_shape
 from speculate import depth_choices, probe_depth
 from tokenizer import load_tokenizer
 
@@ -958,6 +959,65 @@ def long_checkpoint(tiny_tokenizer_json, tmp_path_factory) -> Path:
     make_hf_llama(folder / "hf", tiny_tokenizer_json, num_key_value_heads=2, max_position_embeddings=2048)
     convert_hf_checkpoint(folder / "hf", folder / "long")
     return folder / "long"
+
+
+def test_the_kv_cache_takes_the_slots_and_length_its_budget_holds():
+    """server.kv_cache_shape, a budget of 20,000 positions of 1,000 bytes and a context of 4,096: by default whole
+    contexts, as many as fit up to DEFAULT_SLOTS; slots given share the budget; a length given is filled with slots;
+    what the budget cannot hold is refused."""
+    per_position, context = 1000, 4096
+    budget = 20_000 * per_position
+    assert DEFAULT_SLOTS == 8
+    assert kv_cache_shape(budget, per_position, context, None, None) == (4, 4096)  # 4 x 4096 = 16,384 positions
+    assert kv_cache_shape(10**6 * per_position, per_position, context, None, None) == (8, 4096)
+    assert kv_cache_shape(3000 * per_position + 999, per_position, context, None, None) == (1, 3000)
+    assert kv_cache_shape(budget, per_position, context, 16, None) == (16, 1250)
+    assert kv_cache_shape(budget, per_position, context, None, 1000) == (8, 1000)  # 8 is the most by default
+    assert kv_cache_shape(budget, per_position, context, None, 3000) == (6, 3000)
+    assert kv_cache_shape(budget, per_position, context, 2, 10_000) == (2, 4096)  # no longer than the context
+    assert kv_cache_shape(budget, per_position, context, 5, None) == (5, 4000)
+    for slots, length in ((6, 4096), (5, 4096), (20_000, None)):
+        with pytest.raises(ValueError, match="more than the budget"):
+            kv_cache_shape(budget, per_position, context, slots, length)
+    with pytest.raises(ValueError, match="more than the budget"):
+        kv_cache_shape(per_position, per_position, context, None, None)  # one position: no prompt and reply
+
+
+def test_a_server_sizes_its_slots_to_its_kv_cache_budget(chat_checkpoint, tmp_path):
+    """--kv_cache_memory of 3.5 whole contexts of the tiny model: 3 slots of its 256 positions, as /health, /metrics
+    and the start-up line say, with the bytes of float32 keys and values of every layer and KV head. A prompt longer
+    than a slot gets a 400 naming the prompt, and the server goes on; a request's positions count as used while it
+    runs, and no longer."""
+    config = json.loads((chat_checkpoint / "config.json").read_text())
+    per_position = 2 * config["n_layer"] * config["n_kv_heads"] * config["head_dim"] * 4  # K and V, float32
+    assert config["block_size"] == 256
+    gib = 3.5 * 256 * per_position / 2**30
+    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--kv_cache_memory", repr(gib))
+    try:
+        health = httpx.get(url + "/health").json()
+        assert (health["slots"], health["max_seq_length"]) == (3, 256)
+        assert health["kv_cache_bytes"] == 3 * 256 * per_position and health["kv_cache_positions"] == 3 * 256
+        assert health["kv_cache_budget_bytes"] == int(gib * 2**30)
+        assert "3 slots of 256 positions" in open(log.name).read()
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 257, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 30, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        samples = metric_samples(url)
+        assert samples[("gptfast_kv_cache_positions", ())] == 768 and samples[("gptfast_slots", ())] == 3
+        assert samples[("gptfast_kv_cache_used_positions", ())] == 0
+    finally:
+        stop_server(process, log)
+    tokenizer = load_tokenizer(chat_checkpoint)
+    engine = Engine(load_model(chat_checkpoint / "model.pth"), tokenizer, 2, 64, Steps(), 8)
+    choice = greedy_choice(0, random_ids(random.Random(0), 10), 20)
+    engine.submit([choice])
+    engine.step()
+    engine.step()
+    # The prompt and every token fed back so far (the newest is fed at the next step).
+    assert engine.kv_cache_figures()["kv_cache_used_positions"] == 10 + len(choice.tokens) - 1 > 10
+    run_steps(engine, [choice])
+    assert engine.kv_cache_figures()["kv_cache_used_positions"] == 0
 
 
 def random_ids(rng: random.Random, n: int) -> list[int]:
