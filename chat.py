@@ -7,7 +7,7 @@ import itertools
 import sys
 from collections.abc import Callable
 
-from decode import Steps, Stream
+from decode import PREFILL_CHUNK, Steps, Stream
 from results import Generation
 from sampling import SamplingParams
 from tokenizer import Tokenizer
@@ -61,7 +61,7 @@ class Chat:
                 f"max_new_tokens {max_new_tokens} leaves no room for a message in the conversation's "
                 f"{cache_length}-position cache"
             )
-        model.setup_caches(1, cache_length)
+        model.setup_caches(1, cache_length, chunk=PREFILL_CHUNK)
         self.system = [{"role": "system", "content": system}] if system else []
         self.reset()
 
@@ -86,6 +86,8 @@ class Chat:
             )
         self.messages, self.dropped_turns = messages, self.dropped_turns + dropped
         common = cached_prefix(self.cached, ids)
+        if not self.model.holds(0, 0, common):  # a rolling cache rolled past what the prefix's end attends to
+            common = 0
         self.last_prefill = len(ids) - common
         result = Stream(
             self.model,

@@ -279,8 +279,12 @@ def token_steps(model, rows, max_new_tokens, params: SamplingParams, steps: Step
         yield token, logprobs
 
 
-def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False):
-    """Checks the request fits the model; sets up KV caches unless big enough ones exist (or keep is set)."""
+def ensure_caches(
+    model: Transformer, batch_size: int, prompt_len: int, max_new_tokens: int, keep: bool = False, overrun: int = 0
+):
+    """Checks the request fits the model; sets up KV caches unless big enough ones exist (or keep is set): rolling
+    ones for sliding layers, taking PREFILL_CHUNK positions a call, and overrun positions past the next call's first
+    (speculation's drafts, rejected)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     needed = prompt_len + max_new_tokens
@@ -290,14 +294,14 @@ def ensure_caches(model: Transformer, batch_size: int, prompt_len: int, max_new_
             f"block_size ({model.config.block_size})"
         )
     # Reusing caches keeps the compiled decode step's shapes, so it does not recompile.
-    if model.max_seq_length >= needed and model.max_batch_size >= batch_size:
+    if model.max_seq_length >= needed and model.max_batch_size >= batch_size and model.chunk >= overrun:
         return
     if keep:
         raise ValueError(
             f"{batch_size} rows of {needed} positions do not fit the KV cache "
             f"({model.max_batch_size} rows of {model.max_seq_length})"
         )
-    model.setup_caches(batch_size, needed)
+    model.setup_caches(batch_size, needed, chunk=max(PREFILL_CHUNK, overrun))
 
 
 def check_speculation(model, draft, params: SamplingParams, k: int):

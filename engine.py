@@ -147,9 +147,6 @@ class Engine:
         # Seconds of a step of each batch size at each depth (speculate.choose_depth): measure_round_costs
         self.round_costs = round_costs
         self.step_depths = [0] * (self.k + 1)  # steps at each depth 0..k
-        self.models = (model, draft) if draft is not None else (model,)
-        for m in self.models:
-            m.setup_caches(max_batch_size, max_seq_length)
         self.horizon = max_seq_length - 1  # the last cache position
         # Idle rows feed this position during a step, and write from one before it (a speculative round's draft
         # catching up) to k after it (its verification): no request reaches any of these positions.
@@ -162,6 +159,9 @@ class Engine:
             )
         if prefill_chunk < 1:
             raise ValueError(f"--prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.models = (model, draft) if draft is not None else (model,)
+        for m in self.models:  # sliding layers' rolling caches: the idle positions in slots of their own
+            m.setup_caches(max_batch_size, max_seq_length, **self.cache_layout(prefill_chunk, self.k))
         self.slots: list[Choice | None] = [None] * max_batch_size
         self.cached: list[list[int]] = [[] for _ in range(max_batch_size)]  # tokens whose keys/values a row holds
         self.draft_cached = [0] * max_batch_size  # how many of them the draft's cache holds too
@@ -183,6 +183,13 @@ class Engine:
         # graphs per function, past which a fullgraph step fails instead of compiling.
         graphs = 2 * len(self.batch_sizes) * max(2, len(self.depths()) - 1)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, graphs)
+
+    @staticmethod
+    def cache_layout(prefill_chunk: int, k: int) -> dict:
+        """setup_caches' chunk and reserved for an engine: a call writes a prefill chunk (a longer one, a prompt
+        scored whole or a draft catching up, runs in pieces), or up to k positions past where the row goes on
+        (rejected drafts); idle rows write at the last k + 2 positions."""
+        return {"chunk": max(prefill_chunk, k), "reserved": k + 2}
 
     @torch.no_grad()
     def warm_up(self):
@@ -327,11 +334,14 @@ class Engine:
             if choice.cancelled:
                 continue
             row = self.slot_for(choice)
-            # Scoring the prompt takes every position's logits, so it prefills the whole prompt.
+            # Scoring the prompt takes every position's logits, so it prefills the whole prompt. A rolling cache
+            # may have rolled past what the kept prefix's end attends to.
             kept = 0 if choice.score_prompt else cached_prefix(self.cached[row], choice.ids)
+            kept = kept if self.model.holds(row, 0, kept) else 0
             self.set_aside(row, kept)
             self.slots[row], self.cached[row], choice.reused = choice, choice.ids[:kept], kept
-            self.draft_cached[row] = min(self.draft_cached[row], kept)
+            draft_kept = min(self.draft_cached[row], kept)
+            self.draft_cached[row] = draft_kept if self.draft is None or self.draft.holds(row, 0, draft_kept) else 0
             self.prefilling.append(row)
             admitted = True
         if admitted:
@@ -469,17 +479,22 @@ class Engine:
 
     def copy_prefix(self, row: int):
         """Copies into row the keys and values of the longest prefix of its prompt that another slot holds beyond
-        what row holds (the draft's too, as far as its cache holds them)."""
+        what row holds (the draft's too, as far as its cache holds them). With rolling caches, the prefix's end
+        attends to its last sliding_window positions: those row lacks are copied too, and a source whose ring no
+        longer holds them is not copied from."""
         c, held = self.slots[row], len(self.cached[row])
         others = [i for i in range(len(self.slots)) if i != row]
         source = max(others, key=lambda i: cached_prefix(self.cached[i], c.ids), default=row)
         length = cached_prefix(self.cached[source], c.ids)
         if length <= held:
             return
-        self.model.copy_positions(source, row, held, length)
+        start = held if self.model.holds(row, 0, held, length) else 0
+        if not self.model.holds(source, start, length):
+            return
+        self.model.copy_positions(source, row, start, length)
         if self.draft is not None:
             start, end = self.draft_cached[row], min(length, self.draft_cached[source])
-            if end > start:
+            if end > start and self.draft.holds(row, 0, start, end) and self.draft.holds(source, start, end):
                 self.draft.copy_positions(source, row, start, end)
                 self.draft_cached[row] = end
         self.cached[row] = c.ids[:length]

@@ -184,7 +184,7 @@ def speculative_generate(
     device, greedy, vocab_size = model.tok_embeddings.weight.device, params.greedy, model.config.vocab_size
     models = (model,) if draft is None else (model, draft)
     for m in models:  # verification writes up to k positions past the last kept token
-        ensure_caches(m, 1, len(prompt), max_new_tokens + k + 1)
+        ensure_caches(m, 1, len(prompt), max_new_tokens + k + 1, overrun=k)
     max_seq_length = min(m.max_seq_length for m in models)
     s_target, s_draft = (sampler_state(params, [prompt], vocab_size, device) for _ in range(2))
     generator = params.generator(device)
@@ -534,9 +534,9 @@ def run(args, device: torch.device, shard=None):
         raise ValueError("speculative decoding takes one prompt and --batch_size 1")
     once = functools.partial(generate_once, args, model, tokenizer, prompts, sampling, steps, draft)
     # Caches sized once for every run below (speculation writes k + 1 positions ahead), so nothing recompiles.
-    ahead = args.speculate_k + 1 if speculative else 0
+    ahead, rows = args.speculate_k + 1 if speculative else 0, len(prompts) * args.batch_size
     for m in (model, draft) if draft is not None else (model,):
-        ensure_caches(m, len(prompts) * args.batch_size, max(map(len, prompts)), args.max_new_tokens + ahead)
+        ensure_caches(m, rows, max(map(len, prompts)), args.max_new_tokens + ahead, overrun=args.speculate_k)
     compile_time, round_costs = None, None
     if args.compile or args.compile_prefill:
         compile_time, round_costs = warm_up(once, speculative, args.max_new_tokens)

@@ -24,13 +24,14 @@ ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approxima
 
 
 class KVCache(nn.Module):
-    """Keys and values of every position, stored per KV head (before GQA expansion): in the model's dtype, or with
-    quantized set as int8 codes and a float32 scale per position and head (max |x| / 127), quantized as they are
-    written and widened to the model's dtype where they are read."""
+    """Keys and values in slots, one a position (a sliding layer's rolling cache: those its ring holds,
+    Transformer.setup_caches), stored per KV head (before GQA expansion): in the model's dtype, or with quantized set
+    as int8 codes and a float32 scale per position and head (max |x| / 127), quantized as they are written and
+    widened to the model's dtype where they are read."""
 
-    def __init__(self, max_batch_size, max_seq_length, n_kv_heads, head_dim, dtype, quantized: bool = False):
+    def __init__(self, max_batch_size, slots, n_kv_heads, head_dim, dtype, quantized: bool = False):
         super().__init__()
-        shape = (max_batch_size, n_kv_heads, max_seq_length, head_dim)
+        shape = (max_batch_size, n_kv_heads, slots, head_dim)
         self.dtype = dtype
         stored = torch.int8 if quantized else dtype
         self.register_buffer("k_cache", torch.zeros(shape, dtype=stored), persistent=False)
@@ -39,22 +40,22 @@ class KVCache(nn.Module):
         self.register_buffer("k_scale", torch.zeros(scales) if quantized else None, persistent=False)
         self.register_buffer("v_scale", torch.zeros(scales) if quantized else None, persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, cache_rows: Tensor | None = None):
-        # k, v: [B, H_kv, S, D] written at positions input_pos, [S] for every row or [B, S] per row (a server's
-        # slots, each at its own length), into cache rows 0..B-1 or the cache rows listed in cache_rows [B]
+    def update(self, slots: Tensor, k: Tensor, v: Tensor, cache_rows: Tensor | None = None):
+        # k, v: [B, H_kv, S, D] written at slots, [S] for every row or [B, S] per row (a server's slots, each at
+        # its own length), into cache rows 0..B-1 or the cache rows listed in cache_rows [B]
         for cache, scale, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
             if scale is None:
-                write_positions(cache, input_pos, x, cache_rows)
+                write_positions(cache, slots, x, cache_rows)
             else:
                 amax = x.float().abs().amax(-1, keepdim=True)
                 codes = (x.float() * (127 / amax.clamp(min=torch.finfo(torch.float32).tiny))).round()
-                write_positions(cache, input_pos, codes.to(torch.int8), cache_rows)
-                write_positions(scale, input_pos, amax / 127, cache_rows)
+                write_positions(cache, slots, codes.to(torch.int8), cache_rows)
+                write_positions(scale, slots, amax / 127, cache_rows)
 
     def read(self, rows: slice | Tensor, length: int) -> tuple[Tensor, Tensor]:
-        """The keys and values of some cache rows (a slice of them, or a tensor listing them) at positions
-        0..length-1, [rows, H_kv, length, D] in the model's dtype: views of the cache, or for listed rows (or a
-        quantized cache) copies of those positions."""
+        """The keys and values of some cache rows (a slice of them, or a tensor listing them) in slots 0..length-1,
+        [rows, H_kv, length, D] in the model's dtype: views of the cache, or for listed rows (or a quantized cache)
+        copies of those slots."""
         k, v = self.k_cache[rows, :, :length], self.v_cache[rows, :, :length]
         if self.k_scale is None:
             return k, v
@@ -64,22 +65,22 @@ class KVCache(nn.Module):
     def buffers_by_position(self) -> list[Tensor]:
         return [b for b in (self.k_cache, self.v_cache, self.k_scale, self.v_scale) if b is not None]
 
-    def copy_positions(self, source: int, row: int, start: int, end: int):
+    def copy_slots(self, source: int, row: int, slots: slice | Tensor):
         for cache in self.buffers_by_position():
-            cache[row, :, start:end] = cache[source, :, start:end]
+            cache[row, :, slots] = cache[source, :, slots]
 
-    def swap_rows(self, a: int, b: int, end: int):
+    def swap_rows(self, a: int, b: int, slots: slice):
         for cache in self.buffers_by_position():
-            cache[[a, b], :, :end] = cache[[b, a], :, :end]
+            cache[[a, b], :, slots] = cache[[b, a], :, slots]
 
 
-def write_positions(cache: Tensor, input_pos: Tensor, x: Tensor, cache_rows: Tensor | None):
-    """x [B, H_kv, S, *] into cache [rows, H_kv, positions, *] at input_pos (see KVCache.update)."""
-    if cache_rows is None and input_pos.dim() == 1:
-        cache[: x.shape[0], :, input_pos] = x
+def write_positions(cache: Tensor, slots: Tensor, x: Tensor, cache_rows: Tensor | None):
+    """x [B, H_kv, S, *] into cache [rows, H_kv, slots, *] at slots (see KVCache.update)."""
+    if cache_rows is None and slots.dim() == 1:
+        cache[: x.shape[0], :, slots] = x
     else:
         rows = torch.arange(x.shape[0], device=x.device) if cache_rows is None else cache_rows
-        cache[rows[:, None], :, input_pos] = x.transpose(1, 2)  # [B, S] beside [B, 1]
+        cache[rows[:, None], :, slots] = x.transpose(1, 2)  # [B, S] beside [B, 1]
 
 
 class Transformer(nn.Module):
@@ -99,37 +100,70 @@ class Transformer(nn.Module):
         self.register_buffer("packed_output", None, persistent=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
+        # Rolling caches (setup_caches): the ring's slots, the reserved positions after it, the most positions a call
+        # takes, and the position each sliding layer's slot holds [rows, 1, slots] (-1: none yet), where a layer slides.
+        self.ring_size, self.reserved, self.chunk = -1, 0, -1
+        self.register_buffer("ring_positions", None, persistent=False)
         self.kv_cache_dtype: torch.dtype | None = None  # torch.int8: quantized caches (KVCache); None: the model's
 
-    def kv_bytes_per_position(self, dtype: torch.dtype | None = None) -> int:
-        """The KV cache's bytes for one position of one row, over every layer (of this rank, under tensor
-        parallelism): int8 codes and a float32 scale per head where kv_cache_dtype is int8, else dtype's values."""
-        heads = sum(layer.attention.n_kv_heads for layer in self.layers)
+    def kv_bytes_per_position(self, dtype: torch.dtype | None = None, kind: str | None = None) -> int:
+        """The KV cache's bytes for one position of one row, over every layer (or those of one kind, full_attention
+        or sliding_attention) of this rank under tensor parallelism: int8 codes and a float32 scale per head where
+        kv_cache_dtype is int8, else dtype's values."""
+        heads = sum(layer.attention.n_kv_heads for layer in self.layers if kind in (None, layer.attention.kind))
         dtype = dtype or self.tok_embeddings.weight.dtype
         per_head = (
             self.config.head_dim + 4 if self.kv_cache_dtype == torch.int8 else self.config.head_dim * dtype.itemsize
         )
         return 2 * heads * per_head
 
+    def kv_cache_bytes(
+        self, max_batch_size: int, max_seq_length: int, chunk: int | None = None, reserved: int = 0, dtype=None
+    ) -> int:
+        """The bytes of the KV caches setup_caches makes with these arguments: full layers' of max_seq_length
+        positions, sliding layers' rolling ones (ring_length and reserved)."""
+        ring = self.ring_length(max_seq_length, chunk, reserved) + reserved
+        full, sliding = (self.kv_bytes_per_position(dtype, kind) for kind in ("full_attention", "sliding_attention"))
+        return max_batch_size * (full * max_seq_length + sliding * ring)
+
+    def ring_length(self, max_seq_length: int, chunk: int | None, reserved: int) -> int:
+        """The slots of a sliding layer's rolling cache before its reserved ones: sliding_window + chunk - 1, or
+        max_seq_length - reserved where that is no more (the ring then holds every position: a full-length cache)."""
+        window = self.config.sliding_window or max_seq_length
+        return min(window + min(chunk or max_seq_length, max_seq_length) - 1, max_seq_length - reserved)
+
     def kv_cache_figures(self) -> dict:
         """The KV caches' dtype (int8: quantized), bytes per position of a row, and bytes as set up (all rows)."""
         dtype = self.kv_cache_dtype or self.tok_embeddings.weight.dtype
-        per_position = self.kv_bytes_per_position()
+        caches = [layer.attention.kv_cache for layer in self.layers if layer.attention.kv_cache is not None]
         return {
             "kv_cache_dtype": str(dtype).removeprefix("torch."),
-            "kv_cache_bytes_per_token": per_position,
-            "kv_cache_bytes": per_position * max(self.max_batch_size, 0) * max(self.max_seq_length, 0),
+            "kv_cache_bytes_per_token": self.kv_bytes_per_position(),
+            "kv_cache_bytes": sum(b.nbytes for cache in caches for b in cache.buffers_by_position()),
         }
 
-    def setup_caches(self, max_batch_size: int, max_seq_length: int, dtype: torch.dtype | None = None):
-        # dtype: the keys' and values' (default: the model's); the cache stores int8 codes where kv_cache_dtype says
+    def setup_caches(
+        self,
+        max_batch_size: int,
+        max_seq_length: int,
+        dtype: torch.dtype | None = None,
+        chunk: int | None = None,
+        reserved: int = 0,
+    ):
+        # dtype: the keys' and values' (default: the model's); the cache stores int8 codes where kv_cache_dtype says.
+        # chunk: the most positions a call takes (forward runs a longer one in pieces of chunk), which is also the most
+        # by which a call may write past the first position of the next (a rejected draft's): a sliding layer then
+        # keeps a rolling cache of sliding_window + chunk - 1 slots, a ring where position p takes slot p mod its
+        # size (ring_slots), where that is fewer than max_seq_length (None: full-length caches). reserved: the last
+        # positions, which take slots of their own after the ring (a server's idle rows write there; nobody reads them).
         if max_seq_length > self.config.block_size:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's block_size {self.config.block_size}")
         dtype = dtype or self.tok_embeddings.weight.dtype
         device = self.tok_embeddings.weight.device
         c = self.config
         quantized = self.kv_cache_dtype == torch.int8
-        size = max_batch_size * max_seq_length * self.kv_bytes_per_position(dtype)
+        ring = self.ring_length(max_seq_length, chunk, reserved)
+        size = self.kv_cache_bytes(max_batch_size, max_seq_length, chunk, reserved, dtype)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.type == "cpu" else None
         if memory is not None and size > memory:  # the allocation would not fail cleanly: the OOM killer ends us
             raise ValueError(
@@ -139,10 +173,9 @@ class Transformer(nn.Module):
         try:
             for layer in self.layers:
                 attn = layer.attention
+                length = ring + reserved if attn.kind == "sliding_attention" else max_seq_length
                 with torch.device(device):
-                    attn.kv_cache = KVCache(
-                        max_batch_size, max_seq_length, attn.n_kv_heads, c.head_dim, dtype, quantized
-                    )
+                    attn.kv_cache = KVCache(max_batch_size, length, attn.n_kv_heads, c.head_dim, dtype, quantized)
         except torch.OutOfMemoryError:
             self.max_batch_size = self.max_seq_length = -1  # the layers' caches are mixed now: set up anew next time
             raise ValueError(
@@ -150,6 +183,10 @@ class Transformer(nn.Module):
                 f"does not fit in the free memory of {device}"
             ) from None
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
+        self.ring_size, self.reserved = ring, reserved
+        self.chunk = min(chunk, max_seq_length) if chunk and ring + reserved < max_seq_length else max_seq_length
+        held = torch.full((max_batch_size, 1, ring + reserved), -1, device=device) if c.sliding_window else None
+        self.register_buffer("ring_positions", held, persistent=False)
         if c.position_embedding == "rope":
             freqs = precompute_freqs_cis(max_seq_length, c.head_dim, c.rope_base, c.rope_scaling)
             self.register_buffer("freqs_cis", freqs.to(device), persistent=False)
@@ -181,7 +218,11 @@ class Transformer(nn.Module):
         # fused_rows: the most rows a linear layer computes as a fused product on a CPU (kernels.linear), which only
         # a compiled step makes one pass over the weights: compile_steps passes more than 1 to its compiled steps.
         assert self.max_seq_length > 0, "call setup_caches() first"
-        bsz = idx.shape[0]
+        bsz, seqlen = idx.shape
+        if seqlen > self.chunk:  # a rolling cache takes at most chunk new positions a call
+            rest, n = (left_pad, last_only, cache_rows, kv_length, fused_rows), self.chunk
+            pieces = [self(idx[:, a : a + n], input_pos[..., a : a + n], *rest) for a in range(0, seqlen, n)]
+            return pieces[-1] if last_only else torch.cat(pieces, dim=1)
         if cache_rows is None and bsz > self.max_batch_size:
             raise ValueError(f"batch of {bsz} rows is larger than the cache, set up for {self.max_batch_size}")
         lengths = kv_length if isinstance(kv_length, tuple) else (kv_length,)
@@ -190,11 +231,11 @@ class Transformer(nn.Module):
         for length in lengths:  # tells the compiler too, so that slicing the cache to it keeps it symbolic
             if length is not None:
                 torch._check(length <= self.max_seq_length)
-        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, lengths)
+        positions, inputs = self.attention_inputs(input_pos, left_pad, bsz, lengths, cache_rows)
         x = self.embed(idx, positions)
         for layer in self.layers:
-            freqs_cis, masks = inputs[layer.attention.kind]
-            x = layer(x, input_pos, freqs_cis, cache_rows, fused_rows, *masks)
+            freqs_cis, slots, masks = inputs[layer.attention.kind]
+            x = layer(x, slots, freqs_cis, cache_rows, fused_rows, *masks)
         x = self.norm(x[:, -1:] if last_only else x)
         if self.output is None:
             rows = fused_rows if self.kernels.float_matvec == "fused" else 0
@@ -206,14 +247,45 @@ class Transformer(nn.Module):
 
     def copy_positions(self, source: int, row: int, start: int, end: int):
         """Cache row row's keys and values at positions start..end-1 become row source's: a prefix of tokens both
-        rows hold (a server's slots sharing a prompt's beginning)."""
+        rows hold (a server's slots sharing a prompt's beginning). A rolling cache copies the positions of those
+        its ring can hold, the last ring_size; whether source held them is for holds to say."""
+        positions = torch.arange(max(start, end - self.ring_size), end, device=self.tok_embeddings.weight.device)
+        ring = self.ring_slots(positions)
         for layer in self.layers:
-            layer.attention.kv_cache.copy_positions(source, row, start, end)
+            sliding = layer.attention.kind == "sliding_attention"
+            layer.attention.kv_cache.copy_slots(source, row, ring if sliding else slice(start, end))
+        if self.ring_positions is not None:
+            self.ring_positions[row, :, ring] = self.ring_positions[source, :, ring]
 
     def swap_rows(self, a: int, b: int, end: int):
-        """Cache rows a and b exchange their keys and values at positions 0..end-1 (a server's slots moving)."""
+        """Cache rows a and b exchange their keys and values at positions 0..end-1 (a server's slots moving); a
+        rolling cache, its ring's slots of those."""
+        ring = slice(0, min(end, self.ring_size))
         for layer in self.layers:
-            layer.attention.kv_cache.swap_rows(a, b, end)
+            sliding = layer.attention.kind == "sliding_attention"
+            layer.attention.kv_cache.swap_rows(a, b, ring if sliding else slice(0, end))
+        if self.ring_positions is not None:
+            self.ring_positions[[a, b], :, ring] = self.ring_positions[[b, a], :, ring]
+
+    def holds(self, row: int, start: int, end: int, query: int | None = None) -> bool:
+        """Whether cache row row still holds what its positions start..end-1 give a query at position query
+        (default end): on a sliding layer, those of its last sliding_window positions. A rolling cache keeps the
+        last ring_size positions written (a rejected draft's too), so a row going back to an earlier position (the
+        next turn of a conversation, re-rendered) may find them gone; a full-length cache keeps all."""
+        if self.ring_positions is None:
+            return True
+        query = end if query is None else query
+        first = max(start, query - self.config.sliding_window + 1)
+        positions = torch.arange(min(first, end), end, device=self.ring_positions.device)
+        return bool((self.ring_positions[row, 0, self.ring_slots(positions)] == positions).all())
+
+    def ring_slots(self, positions: Tensor) -> Tensor:
+        """The slots of positions in a sliding layer's cache: p mod ring_size, and the reserved last positions in
+        the slots after the ring (a full-length cache: p)."""
+        first_reserved = self.max_seq_length - self.reserved
+        return torch.where(
+            positions < first_reserved, positions % self.ring_size, positions - first_reserved + self.ring_size
+        )
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         """The first layer's input: token embeddings (plus learned position embeddings), [B, S, dim]."""
@@ -225,41 +297,62 @@ class Transformer(nn.Module):
         return x
 
     def attention_inputs(
-        self, input_pos: Tensor, left_pad: Tensor | None, bsz: int, kv_lengths: tuple[int | None, ...] = (None,)
+        self,
+        input_pos: Tensor,
+        left_pad: Tensor | None,
+        bsz: int,
+        kv_lengths: tuple[int | None, ...] = (None,),
+        cache_rows: Tensor | None = None,
     ) -> tuple[Tensor, dict]:
         """Each row's positions [B, S] (0 at its first real token), and for each kind of layer its rotary
-        angles [B, S, head_dim / 2, 2] (None without rotary embeddings) and attention masks: one per group of
-        consecutive rows (the batch split in len(kv_lengths) equal groups), [B / groups, 1, S, kv_length]."""
+        angles [B, S, head_dim / 2, 2] (None without rotary embeddings), the cache slots input_pos is written to,
+        and attention masks: one per group of consecutive rows (the batch split in len(kv_lengths) equal groups),
+        [B / groups, 1, S, slots read]. Records the positions the sliding layers' slots now hold."""
         if left_pad is None:
             left_pad = torch.zeros(bsz, dtype=torch.long, device=input_pos.device)
         positions = (input_pos - left_pad[:, None]).clamp(min=0)  # [B, S]
         group = bsz // len(kv_lengths)
+        rows = [slice(g * group, (g + 1) * group) for g in range(len(kv_lengths))]
         inputs = {}
         for kind in set(self.config.layer_types):
-            masks = tuple(
-                self.attention_mask(kind, input_pos, left_pad, slice(g * group, (g + 1) * group), length)
-                for g, length in enumerate(kv_lengths)
-            )
+            if kind == "sliding_attention":
+                slots = self.ring_slots(input_pos)
+                write_positions(self.ring_positions, slots, input_pos.expand(bsz, -1)[:, None], cache_rows)
+                held = self.ring_positions[:bsz] if cache_rows is None else self.ring_positions[cache_rows]
+                masks = tuple(self.sliding_mask(held, input_pos, left_pad, r, n) for r, n in zip(rows, kv_lengths))
+            else:
+                slots = input_pos
+                masks = tuple(self.attention_mask(input_pos, left_pad, r, n) for r, n in zip(rows, kv_lengths))
             freqs = None
             if self.config.position_embedding == "rope":
                 local = kind == "sliding_attention" and self.config.rope_local_base is not None
                 freqs = (self.local_freqs_cis if local else self.freqs_cis)[positions]
-            inputs[kind] = (freqs, masks)
+            inputs[kind] = (freqs, slots, masks)
         return positions, inputs
 
-    def attention_mask(self, kind: str, input_pos: Tensor, left_pad: Tensor, rows: slice, kv_length: int | None):
-        """Which cache slots (the first kv_length) the queries of some rows see, [rows, 1, S, kv_length]."""
+    def attention_mask(self, input_pos: Tensor, left_pad: Tensor, rows: slice, kv_length: int | None):
+        """Which cache slots (the first kv_length) the queries of some rows see on a full layer, [rows, 1, S,
+        kv_length]."""
         slots = torch.arange(self.max_seq_length if kv_length is None else kv_length, device=input_pos.device)
         at = input_pos if input_pos.dim() == 1 else input_pos[rows]  # [S] or [rows, S]
-        # A query in slot p sees slots pad..p of its row (a sliding layer: the last sliding_window of them);
-        # later slots hold stale or zero entries. A padding query sees only itself, so that no softmax row is
-        # empty (its output is never used).
+        # A query in slot p sees slots pad..p of its row; later slots hold stale or zero entries. A padding query
+        # sees only itself, so that no softmax row is empty (its output is never used).
         seen = at[..., None] >= slots  # [S, kv_length] or [rows, S, kv_length]
-        if kind == "sliding_attention":
-            seen = seen & (at[..., None] - slots < self.config.sliding_window)
         not_padding = slots >= left_pad[rows, None]  # [rows, kv_length]
         mask = (seen & not_padding[:, None, :]) | (at[..., None] == slots)
         return mask[:, None]
+
+    def sliding_mask(self, held: Tensor, input_pos: Tensor, left_pad: Tensor, rows: slice, kv_length: int | None):
+        """Which slots of a sliding layer's cache the queries of some rows see, [rows, 1, S, slots read], by the
+        positions the slots hold (held [B, 1, slots], ring_positions' of the batch's rows): the last
+        sliding_window positions up to the query's own, none of them padding. A rolling cache is read whole, a
+        full-length one as far as kv_length."""
+        rolling = self.ring_size + self.reserved < self.max_seq_length
+        length = held.shape[-1] if rolling or kv_length is None else kv_length
+        h = held[rows, :, :length]  # [rows, 1, length]
+        at = (input_pos if input_pos.dim() == 1 else input_pos[rows])[..., None]  # [S, 1] or [rows, S, 1]
+        seen = (h <= at) & (at - h < self.config.sliding_window) & (h >= left_pad[rows, None, None])
+        return (seen | (h == at))[:, None]  # a padding query sees only itself, as on a full layer
 
 
 class TransformerBlock(nn.Module):
@@ -278,9 +371,9 @@ class TransformerBlock(nn.Module):
     # Dynamo checks whether a tuple argument lets it reuse the layer's code far more slowly.
     @torch.compiler.nested_compile_region
     def forward(
-        self, x: Tensor, input_pos: Tensor, freqs_cis: Tensor | None, cache_rows, fused_rows, *masks: Tensor
+        self, x: Tensor, slots: Tensor, freqs_cis: Tensor | None, cache_rows, fused_rows, *masks: Tensor
     ) -> Tensor:
-        h = self.attention(self.attention_norm(x), input_pos, freqs_cis, masks, cache_rows, fused_rows)
+        h = self.attention(self.attention_norm(x), slots, freqs_cis, masks, cache_rows, fused_rows)
         h = x + self.post_attention_norm(h)
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h), fused_rows))
 
@@ -305,14 +398,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        input_pos: Tensor,
+        slots: Tensor,
         freqs_cis: Tensor | None,
         masks: tuple[Tensor, ...],
         cache_rows=None,
         fused_rows=1,
     ) -> Tensor:
-        # masks: one per group of consecutive rows (Transformer.attention_inputs), each as long as the cache slots
-        # its rows attend to
+        # slots: the cache slots of x's positions, [S] or [B, S] (Transformer.ring_slots on a sliding layer); masks:
+        # one per group of consecutive rows (Transformer.attention_inputs), each as long as the slots its rows read
         bsz, seqlen, _ = x.shape
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_heads * self.head_dim
         q, k, v = self.wqkv(x, fused_rows).split([q_size, kv_size, kv_size], dim=-1)
@@ -322,7 +415,7 @@ class Attention(nn.Module):
         if freqs_cis is not None:
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, S, H, D] -> [B, H, S, D]
-        self.kv_cache.update(input_pos, k, v, cache_rows)
+        self.kv_cache.update(slots, k, v, cache_rows)
         group, ys = bsz // len(masks), []
         for g, mask in enumerate(masks):
             rows = slice(g * group, (g + 1) * group)

@@ -216,8 +216,8 @@ def gptq_quantize_blocks(model, tokens: Tensor, groupsize: int, act_order: bool,
     xs = [model.embed(rows, positions[: len(rows)]) for rows in tokens.split(batch)]
 
     def run(layer, x):  # the layer on a batch of len(x) rows
-        freqs_cis, (mask,) = inputs[layer.attention.kind]
-        return layer(x, input_pos, None if freqs_cis is None else freqs_cis[: len(x)], None, 1, mask[: len(x)])
+        freqs_cis, slots, (mask,) = inputs[layer.attention.kind]
+        return layer(x, slots, None if freqs_cis is None else freqs_cis[: len(x)], None, 1, mask[: len(x)])
 
     results = {}
     for index, layer in enumerate(tqdm(model.layers, desc="GPTQ", unit="layer")):

@@ -411,21 +411,27 @@ def free_memory(device) -> int:
 
 
 def kv_cache_shape(
-    budget: int, bytes_per_position: int, context: int, slots: int | None, length: int | None
+    budget: int, bytes_of: Callable[[int, int], int], context: int, slots: int | None, length: int | None
 ) -> tuple[int, int]:
-    """(slots, positions per slot) of KV caches that take at most budget bytes, bytes_per_position for a position of
-    one slot. A length not given is the model's context, or what the budget holds for the slots given (default one);
-    slots not given are as many as the budget holds at that length, up to DEFAULT_SLOTS. ValueError where the budget
-    cannot hold what was asked for."""
-    positions = budget // bytes_per_position
-    length = min(length or positions // (slots or 1), context)
-    slots = slots or min(DEFAULT_SLOTS, positions // max(length, 1))
-    if length < 2 or slots < 1 or slots * length > positions:
+    """(slots, positions per slot) of KV caches that take at most budget bytes, bytes_of(slots, positions) for those
+    of so many slots of so many positions (growing with both; rolling caches make it less than proportional to the
+    positions). A length not given is the model's context, or the most the budget holds for the slots given (default
+    one); slots not given are as many as the budget holds at that length, up to DEFAULT_SLOTS. ValueError where the
+    budget cannot hold what was asked for."""
+    if length is None:  # the longest that fits: a bisection over 1..context
+        low, high = 1, context
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if bytes_of(slots or 1, middle) <= budget else (low, middle - 1)
+        length = low
+    length = min(length, context)
+    slots = slots or min(DEFAULT_SLOTS, budget // bytes_of(1, length))
+    if length < 2 or slots < 1 or bytes_of(slots, length) > budget:
         slots, length = max(slots, 1), max(length, 2)
         raise ValueError(
-            f"{slots} slot(s) of {length} positions need {slots * length * bytes_per_position / GiB:.3g} GiB of KV "
-            f"cache, more than the budget of {budget / GiB:.3g} GiB: set --kv_cache_memory, or fewer "
-            f"--max_batch_size or --max_seq_length"
+            f"{slots} slot(s) of {length} positions need {bytes_of(slots, length) / GiB:.3g} GiB of KV cache, more "
+            f"than the budget of {budget / GiB:.3g} GiB: set --kv_cache_memory, or fewer --max_batch_size or "
+            f"--max_seq_length"
         )
     return slots, length
 
@@ -453,16 +459,20 @@ def main(argv=None):
             check_speculation(model, draft, SamplingParams(), args.speculate_k)
         steps = compile_steps(device, args.compile)
         models = (model, draft) if draft is not None else (model,)
-        free, per_position = free_memory(device), sum(m.kv_bytes_per_position() for m in models)
-        gib = args.kv_cache_memory
+        free, gib = free_memory(device), args.kv_cache_memory
         budget = int(gib * GiB) if gib is not None else int(free * KV_MEMORY_SHARE)
+        layout = Engine.cache_layout(args.prefill_chunk, args.speculate_k if speculative else 0)
+
+        def bytes_of(slots: int, length: int) -> int:
+            return sum(m.kv_cache_bytes(slots, length, **layout) for m in models)
+
         slots, max_seq_length = kv_cache_shape(
-            budget, per_position, min(m.config.block_size for m in models), args.max_batch_size, args.max_seq_length
+            budget, bytes_of, min(m.config.block_size for m in models), args.max_batch_size, args.max_seq_length
         )
-        if slots * max_seq_length * per_position > free:  # a budget above what is free: out of memory later
+        if bytes_of(slots, max_seq_length) > free:  # a budget above what is free: out of memory later
             raise ValueError(
-                f"{slots} slot(s) of {max_seq_length} positions need {slots * max_seq_length * per_position / GiB:.3g}"
-                f" GiB of KV cache, but {free / GiB:.3g} GiB of memory is free: set a smaller --kv_cache_memory"
+                f"{slots} slot(s) of {max_seq_length} positions need {bytes_of(slots, max_seq_length) / GiB:.3g} GiB "
+                f"of KV cache, but {free / GiB:.3g} GiB of memory is free: set a smaller --kv_cache_memory"
             )
         tokenizer_file = path.parent / "tokenizer.json"  # structured output reads it (grammar.py)
         vocabulary = (

@@ -1,7 +1,7 @@
 """Passkey retrieval: a five-digit number hidden in filler text and asked for at the end, at several context lengths
 and depths, answered greedily. Each case prints its prompt's tokens, where the key sits, whether the answer holds
-it, the prefill's tokens/s and the process's peak memory so far (cases run shortest first, so each length's peak is
-its own).
+it, the prefill's tokens/s, the process's peak memory so far (cases run shortest first, so each length's peak is
+its own) and the KV cache's size as set up for the case.
 
     python scripts/passkey.py --checkpoint_path checkpoints/Qwen2.5-Coder-0.5B-Instruct/model.pth \\
         --lengths 4096,8192,16384 --depths 0.1,0.5,0.9
@@ -66,6 +66,7 @@ def run_case(model, tokenizer, length: int, depth: float, key: int, device: torc
         "found": str(key) in answer,
         "prefill_tokens_per_s": len(prompt) / result.time_to_first_token_s,
         "peak_memory_gb": peak_memory_gb(device),
+        "kv_cache_mb": model.kv_cache_figures()["kv_cache_bytes"] / 1e6,
     }
 
 
@@ -103,14 +104,14 @@ def main(argv=None):
                 f"--lengths {args.lengths[-1]} and the answer exceed the model's {model.config.block_size}"
             )
         keys = random.Random(args.seed)
-        print("| tokens | depth | key | answer | found | prefill tok/s | peak memory GB |")
-        print("|---|---|---|---|---|---|---|")
+        print("| tokens | depth | key | answer | found | prefill tok/s | peak memory GB | KV cache MB |")
+        print("|---|---|---|---|---|---|---|---|")
         for length in args.lengths:
             for depth in args.depths:
                 r = run_case(model, tokenizer, length, depth, keys.randrange(10000, 100000), args.device)
                 print(
                     f"| {r['prompt_tokens']} | {depth:g} | {r['key']} | {r['answer'][:40]} | {r['found']} "
-                    f"| {r['prefill_tokens_per_s']:.1f} | {r['peak_memory_gb']:.2f} |",
+                    f"| {r['prefill_tokens_per_s']:.1f} | {r['peak_memory_gb']:.2f} | {r['kv_cache_mb']:.0f} |",
                     flush=True,
                 )
 

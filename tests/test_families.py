@@ -6,12 +6,14 @@ import pytest
 import torch
 import transformers as tf
 
+from chat import Chat
 from conftest import TINY_VOCAB, assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from decode import compile_steps
 from generate import generate, load_model
 from kernels import Kernels, Linear
 from quantize import quantize_model
+from tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.numerics
 
@@ -116,14 +118,24 @@ FAMILIES = {
 }
 
 
+def converted(name: str, folder, tokenizer_json):
+    """(name, transformers model, our model converted from its folder) of a family."""
+    model_cls, config_cls, overrides = FAMILIES[name]
+    hf = make_hf_llama(folder / "hf", tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
+    convert_hf_checkpoint(folder / "hf", folder / "ours")
+    return name, hf, load_model(folder / "ours")
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory, tiny_tokenizer_json):
-    """(name, transformers model, our model converted from its folder)."""
-    model_cls, config_cls, overrides = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    hf = make_hf_llama(folder / "hf", tiny_tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
-    convert_hf_checkpoint(folder / "hf", folder / "ours")
-    return request.param, hf, load_model(folder / "ours")
+    return converted(request.param, tmp_path_factory.mktemp(request.param), tiny_tokenizer_json)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mistral"])
+def windowed(request, tmp_path_factory, tiny_tokenizer_json):
+    """A family with sliding windows of 8: Gemma 3 (two sliding layers and a full one), Mistral (all sliding)."""
+    folder = tmp_path_factory.mktemp(request.param + "_rolling")
+    return (*converted(request.param, folder, tiny_tokenizer_json), folder / "ours")
 
 
 def test_logits_and_kv_cache_match_transformers(family):
@@ -213,7 +225,8 @@ def test_quantized_computes_its_rounded_weights_and_stays_close_to_float(family,
 
 @pytest.mark.parametrize("name", ["gpt2", "gemma3", "mixtral"])
 def test_compiled_decode_has_no_graph_break(tmp_path, tiny_tokenizer_json, name):
-    """Learned positions, sliding and global layers with their own rotary bases, and experts: one graph."""
+    """Learned positions, sliding layers (rolling caches) and global ones with their own rotary bases, and experts:
+    one graph."""
     import torch._dynamo
 
     model_cls, config_cls, overrides = FAMILIES[name]
@@ -221,6 +234,8 @@ def test_compiled_decode_has_no_graph_break(tmp_path, tiny_tokenizer_json, name)
     convert_hf_checkpoint(tmp_path / "hf", tmp_path / "ours")
     model = load_model(tmp_path / "ours")
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]  # left padding, and a sequence past the sliding window of 8
+    if model.config.sliding_window:  # through rolling caches, which the generations keep
+        model.setup_caches(2, 30, chunk=CHUNK)
     eager = generate(model, prompts, 24).tokens
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
@@ -278,3 +293,98 @@ def test_gemma3_multimodal_folder_converts_to_its_language_model(tmp_path, tiny_
     model.setup_caches(1, 24)
     with torch.no_grad():
         assert (model(x, torch.arange(24)) - hf(input_ids=x).logits).abs().max() < TOLERANCE
+
+
+# Rolling caches: a call takes at most 3 positions, so a sliding layer's ring holds 8 + 3 - 1 = 10 slots, and every
+# sequence below runs past it more than twice (3x the window: 24 positions and more).
+CHUNK, RING = 3, 10
+
+
+def rolling_caches(model, rows: int, length: int, chunk: int = CHUNK):
+    """Sets up rolling caches, and checks that the sliding layers' buffers are ring-sized, the full layers'
+    full-length."""
+    model.setup_caches(rows, length, chunk=chunk)
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        slots = model.config.sliding_window + chunk - 1 if layer.attention.kind == "sliding_attention" else length
+        assert (
+            cache.k_cache.shape
+            == cache.v_cache.shape
+            == (rows, layer.attention.n_kv_heads, slots, model.config.head_dim)
+        )
+
+
+def test_rolling_caches_give_transformers_logits(windowed):
+    """A forward over 24 positions (in pieces of 3), token by token, and after rows swapped or copied, through
+    rings of 10 slots: transformers' logits."""
+    name, hf, model, _ = windowed
+    x = torch.randint(0, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        reference = hf(x).logits
+        rolling_caches(model, 2, 24)
+        assert (model(x, torch.arange(24)) - reference).abs().max() < TOLERANCE, name
+        rolling_caches(model, 2, 24)
+        stepwise = torch.cat([model(x[:, i : i + 1], torch.tensor([i])) for i in range(24)], dim=1)
+        assert (stepwise - reference).abs().max() < TOLERANCE, name
+        # A ring keeps its last 10 positions: a query at 24 still finds its window, one at 10 no longer.
+        assert model.holds(0, 0, 24) and not model.holds(0, 0, 10)
+        # Rows move with their rings (a server's slots): row 0 holding 17 positions and row 1 holding 12, swapped,
+        # or row 0's copied into row 1, go on as the rows they took.
+        for move in ("swap", "copy"):
+            rolling_caches(model, 2, 24)
+            model(x[:1, :17], torch.arange(17), cache_rows=torch.tensor([0]))
+            model(x[1:, :12], torch.arange(12), cache_rows=torch.tensor([1]))
+            if move == "swap":
+                model.swap_rows(0, 1, 17)
+                rows, starts = (1, 0), (12, 17)  # what each cache row now holds, and its length
+            else:
+                model.copy_positions(0, 1, 0, 17)
+                rows, starts = (0, 0), (17, 17)
+            for cache_row, (row, start) in enumerate(zip(rows, starts)):
+                logits = model(x[row : row + 1, start:], torch.arange(start, 24), cache_rows=torch.tensor([cache_row]))
+                assert (logits - reference[row : row + 1, start:]).abs().max() < TOLERANCE, (name, move)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_rolling_caches_generate_as_transformers(windowed):
+    """Through rings of 10 slots: a padded batch of prompts of 13, 3 and 7 tokens, and speculative rounds of 4
+    drafts (an int4 draft, with rolling caches of its own, whose rejected drafts were written to the ring) give
+    transformers' greedy tokens."""
+    name, hf, model, _ = windowed
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, TINY_VOCAB, (n,), generator=g).tolist() for n in (13, 3, 7)]
+    rolling_caches(model, 3, 13 + 24)
+    for prompt, row in zip(prompts, generate(model, prompts, 24).tokens):
+        assert_same_greedy(model, prompt, row, hf_greedy(hf, prompt, 24), TOLERANCE)
+    draft = quantize_model(model, "int4", 32, EXACT)
+    for m in (model, draft):  # a call writes up to 4 positions past the next call's first: chunks of 4
+        rolling_caches(m, 1, 13 + 24 + 5, chunk=4)
+    deepest = {0: 1.0, 2: 1.0, 4: 1.0}
+    speculative = generate(model, prompts[0], 24, draft_model=draft, speculate_k=4, round_costs=deepest)
+    assert model.max_seq_length == 13 + 24 + 5, "the rolling caches were kept"
+    assert_same_greedy(model, prompts[0], speculative.tokens[0], hf_greedy(hf, prompts[0], 24), TOLERANCE)
+    assert 0 < speculative.speculation["acceptance_rate"] < 1, "some drafts were rejected"
+
+
+def test_a_chat_keeps_its_conversation_in_rolling_caches(windowed):
+    """A Chat's turns through rings of 10 slots reply with transformers' greedy tokens. A turn whose prefix the
+    ring still holds the window of prefills only what is new; one whose prefix ends before what the ring holds
+    (the previous reply, re-rendered with a newline before it, parts from the cache where the reply began) is
+    prefilled whole."""
+    name, hf, model, folder = windowed
+    tokenizer = load_tokenizer(folder)
+    chat = Chat(model, tokenizer, max_new_tokens=1, cache_length=128)
+    rolling_caches(model, 1, 128)
+    first = chat.send("the first message, long enough to roll the window")  # one token: the cache ends at the prompt
+    assert first.prompt_tokens[0] > 3 * model.config.sliding_window
+    chat.max_new_tokens = 12
+    for text, reused in (("and a second one", True), ("a third", False)):
+        conversation = chat.render(chat.messages + [{"role": "user", "content": text}])
+        reply = chat.send(text)
+        assert (chat.last_prefill < len(conversation) // 2) if reused else chat.last_prefill == len(conversation)
+        made = reply.raw_tokens[0]  # through an EOS, where one ended it
+        assert_same_greedy(model, conversation, made, hf_greedy(hf, conversation, len(made)), TOLERANCE)

@@ -229,7 +229,7 @@ def test_padded_row_computes_what_it_computes_alone(tiny):
     # The positions themselves: under RoPE a uniform shift of every position leaves the logits unchanged up to
     # rounding, so no tolerance on logits could see it. The angles must be those of positions 0..9, exactly.
     positions, inputs = model.attention_inputs(torch.arange(pad + 10), torch.tensor([pad]), 1)
-    angles, (mask,) = inputs["full_attention"]
+    angles, _, (mask,) = inputs["full_attention"]
     assert torch.equal(positions[0, pad:], torch.arange(10)) and torch.equal(angles[0, pad:], model.freqs_cis[:10])
     # Each real query sees the real slots up to its own and no padding slot.
     assert torch.equal(mask[0, 0, pad:, pad : pad + 10], torch.ones(10, 10, dtype=torch.bool).tril())

@@ -39,6 +39,7 @@ from engine import Choice, Engine
 from eval import text_logprobs
 from generate import generate, load_model
 from grammar import grammar_vocabulary, new_matcher, regex_grammar
+from quantize import quantize_model
 from sampling import SamplingParams
 from server import DEFAULT_SLOTS, kv_cache_shape
 from speculate import depth_choices, probe_depth
@@ -964,23 +965,35 @@ def long_checkpoint(tiny_tokenizer_json, tmp_path_factory) -> Path:
 def test_the_kv_cache_takes_the_slots_and_length_its_budget_holds():
     """server.kv_cache_shape, a budget of 20,000 positions of 1,000 bytes and a context of 4,096: by default whole
     contexts, as many as fit up to DEFAULT_SLOTS; slots given share the budget; a length given is filled with slots;
-    what the budget cannot hold is refused."""
+    what the budget cannot hold is refused. With rolling caches (here 800 of the 1,000 bytes in rings of 600
+    positions), a slot's bytes grow with its full layers alone past the ring: twice the slots fit."""
     per_position, context = 1000, 4096
     budget = 20_000 * per_position
     assert DEFAULT_SLOTS == 8
-    assert kv_cache_shape(budget, per_position, context, None, None) == (4, 4096)  # 4 x 4096 = 16,384 positions
-    assert kv_cache_shape(10**6 * per_position, per_position, context, None, None) == (8, 4096)
-    assert kv_cache_shape(3000 * per_position + 999, per_position, context, None, None) == (1, 3000)
-    assert kv_cache_shape(budget, per_position, context, 16, None) == (16, 1250)
-    assert kv_cache_shape(budget, per_position, context, None, 1000) == (8, 1000)  # 8 is the most by default
-    assert kv_cache_shape(budget, per_position, context, None, 3000) == (6, 3000)
-    assert kv_cache_shape(budget, per_position, context, 2, 10_000) == (2, 4096)  # no longer than the context
-    assert kv_cache_shape(budget, per_position, context, 5, None) == (5, 4000)
+
+    def shape(budget, slots, length):
+        return kv_cache_shape(budget, lambda n, positions: n * positions * per_position, context, slots, length)
+
+    assert shape(budget, None, None) == (4, 4096)  # 4 x 4096 = 16,384 positions
+    assert shape(10**6 * per_position, None, None) == (8, 4096)
+    assert shape(3000 * per_position + 999, None, None) == (1, 3000)
+    assert shape(budget, 16, None) == (16, 1250)
+    assert shape(budget, None, 1000) == (8, 1000)  # 8 is the most by default
+    assert shape(budget, None, 3000) == (6, 3000)
+    assert shape(budget, 2, 10_000) == (2, 4096)  # no longer than the context
+    assert shape(budget, 5, None) == (5, 4000)
     for slots, length in ((6, 4096), (5, 4096), (20_000, None)):
         with pytest.raises(ValueError, match="more than the budget"):
-            kv_cache_shape(budget, per_position, context, slots, length)
+            shape(budget, slots, length)
     with pytest.raises(ValueError, match="more than the budget"):
-        kv_cache_shape(per_position, per_position, context, None, None)  # one position: no prompt and reply
+        shape(per_position, None, None)  # one position: no prompt and reply
+
+    def rolling(n, positions):
+        return n * (200 * positions + 800 * min(positions, 600))
+
+    assert kv_cache_shape(budget, rolling, context, None, None) == (8, 4096)  # 15 would fit: 1,299,200 bytes each
+    assert kv_cache_shape(budget, rolling, context, 16, None) == (16, 3850)  # 16 x (770,000 + 480,000) bytes
+    assert kv_cache_shape(budget, rolling, context, 32, None) == (32, 725)  # 32 x (145,000 + 480,000) bytes
 
 
 def test_a_server_sizes_its_slots_to_its_kv_cache_budget(chat_checkpoint, tmp_path):
@@ -1240,6 +1253,81 @@ def test_a_prompt_whose_client_left_frees_its_slot_at_the_next_chunk_and_arrival
         if e.index not in firsts:
             firsts.append(e.index)
     assert firsts == [1, 2, 3]
+
+
+def sliding_checkpoint(folder: Path, tokenizer_json: Path) -> Path:
+    """A tiny Qwen2 whose second layer slides with a window of 8, the first attending to every position."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    window = dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    make_hf_llama(folder / "hf", tokenizer_json, Qwen2ForCausalLM, Qwen2Config, **window)
+    convert_hf_checkpoint(folder / "hf", folder / "ours")
+    return folder / "ours"
+
+
+@pytest.mark.parametrize("draft_name", [None, "int4 copy"])
+def test_rolling_caches_serve_each_request_as_alone(tiny_tokenizer_json, tmp_path, draft_name):
+    """A model with a sliding window of 8 in slots of 128 positions keeps rings of 8 + 5 - 1 slots (prefill chunks
+    of 5 tokens) and the idle rows' reserved ones. Prompts up to 61 tokens, entering in chunks beside decode steps,
+    with speculation (the model's int4 copy as its draft, with rings of its own: some drafts kept, some rejected) or
+    without, get the
+    greedy text they get alone through full-length caches; so do the conversations' next turns, which reuse what
+    their slots held, and turns that part from them earlier than the rings reach, which are prefilled anew."""
+    checkpoint = sliding_checkpoint(tmp_path, tiny_tokenizer_json)
+    tokenizer = load_tokenizer(checkpoint)
+    draft = None if draft_name is None else quantize_model(load_model(checkpoint), "int4", 32)
+    k = 3 if draft is not None else 0
+    engine = Engine(
+        load_model(checkpoint), tokenizer, 4, 128, Steps(), 8, draft, k, round_costs=deepest(4, 3), prefill_chunk=5
+    )
+    for m in engine.models:
+        sliding = m.layers[1].attention
+        assert sliding.kind == "sliding_attention" and m.layers[0].attention.kv_cache.k_cache.shape[2] == 128
+        assert sliding.kv_cache.k_cache.shape == (4, 2, 8 + 5 - 1 + k + 2, m.config.head_dim)
+    engine.thread.start()
+    reference = load_model(checkpoint)
+    alone = lambda p, n: Stream(reference, tokenizer, p, n).run().texts[0]  # noqa: E731
+    rng = random.Random(3)
+    prompts = [random_ids(rng, n) for n in (3, 40, 7, 61)]
+    lengths = [30, 12, 25, 12]
+    texts = run_wave(engine, tokenizer, prompts, lengths, [SamplingParams()] * 4)
+    assert texts == [alone(p, n) for p, n in zip(prompts, lengths)]
+    if draft is not None:
+        histogram = engine.speculation.summary()["accepted_length_histogram"]
+        assert histogram[0] > 0 and sum(histogram[1:]) > 0
+    prefilled = engine.counts["prefilled_tokens"]
+    continued = [ids + ids[1:3] for ids in engine.cached if ids]
+    texts = run_wave(engine, tokenizer, continued, [12] * len(continued), [SamplingParams()] * len(continued))
+    assert texts == [alone(ids, 12) for ids in continued]
+    assert engine.counts["prefilled_tokens"] - prefilled < sum(map(len, continued)) // 4, "the turns were reused"
+    # Turns that part from what their slots hold 10 tokens before its end: the rings no longer hold what the common
+    # prefix's end attends to (its last 8 positions), so neither that slot nor one it was set aside to is used.
+    edited = [ids[:-10] + ids[1:3] for ids in engine.cached if len(ids) > 20]
+    prefilled = engine.counts["prefilled_tokens"]
+    texts = run_wave(engine, tokenizer, edited, [12] * len(edited), [SamplingParams()] * len(edited))
+    assert texts == [alone(ids, 12) for ids in edited]
+    assert engine.counts["prefilled_tokens"] - prefilled == sum(map(len, edited))
+
+
+def test_a_prefix_is_copied_from_a_ring_only_while_the_ring_holds_its_window(tiny_tokenizer_json, tmp_path):
+    """Rings of 8 + 5 - 1 slots. The second of two choices of one request copies the first's prompt from its ring
+    (39 tokens reused). A prompt sharing 30 tokens with a slot that has decoded 20 more finds them gone from its
+    ring (what position 30 attends to): it prefills them, and nothing is copied. Each answers as alone."""
+    checkpoint = sliding_checkpoint(tmp_path, tiny_tokenizer_json)
+    tokenizer, reference = load_tokenizer(checkpoint), load_model(checkpoint)
+    alone = lambda c: Stream(reference, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]  # noqa: E731
+    engine = Engine(load_model(checkpoint), tokenizer, 3, 128, Steps(), 8, prefill_chunk=5)
+    ids = random_ids(random.Random(4), 40)
+    twins = [greedy_choice(i, ids, 30) for i in range(2)]
+    engine.submit(twins)
+    while len(twins[0].tokens) < 20:
+        engine.step()
+    assert [c.reused for c in twins] == [0, 39] and engine.counts["copied_prompt_tokens"] == 39
+    late = greedy_choice(2, ids[:30] + random_ids(random.Random(5), 5), 10)
+    engine.submit([late])
+    run_steps(engine, [late, *twins])
+    assert late.reused == 0 and engine.counts["copied_prompt_tokens"] == 39
+    assert all(c.tokens == alone(c) for c in [*twins, late])
 
 
 @pytest.fixture(scope="module")
