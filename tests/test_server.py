@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerFast
 
 from api import HONOURED, NO_EFFECT, UNSUPPORTED
 from chat import encode_conversation
-from conftest import ROOT, SMOLLM2_DIR, TINY_VOCAB, make_hf_llama
+from conftest import ROOT, SMOLLM2_DIR, TINY_VOCAB, assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from decode import Steps, Stream, compile_steps
 from engine import Choice, Engine
@@ -1065,6 +1065,26 @@ def test_chunked_prefill_gives_each_prompt_its_text_alone(long_checkpoint):
         assert engine.counts["prefilled_tokens"] == sum(map(len, prompts))
     alone = load_model(long_checkpoint / "model.pth")
     assert texts[7] == texts[10_000] == [Stream(alone, tokenizer, p, 12).run().texts[0] for p in prompts]
+
+
+def test_an_int8_kv_cache_serves_each_request_as_alone(long_checkpoint):
+    """--kv_cache_dtype int8 in the engine: prompts entering in chunks of 7 beside decode steps, and the second of
+    two choices copying the first's prompt (codes and scales), get the greedy tokens of the same int8 cache alone,
+    but where logits are within 1e-2 (batched, rounding can move a value across a code's boundary, a step of 1/127
+    of its head's largest value; codes read without their scales move logits by O(1))."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    model, alone = load_model(long_checkpoint / "model.pth"), load_model(long_checkpoint / "model.pth")
+    model.kv_cache_dtype = alone.kv_cache_dtype = torch.int8
+    engine = Engine(model, tokenizer, 4, 512, Steps(), 8, prefill_chunk=7)
+    assert model.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
+    rng = random.Random(6)
+    prompts = [random_ids(rng, n) for n in (3, 40, 61)]
+    choices = [greedy_choice(i, ids, 12) for i, ids in enumerate(prompts + prompts[1:2])]
+    engine.submit(choices)
+    run_steps(engine, choices)
+    assert choices[3].reused == 39 and engine.counts["copied_prompt_tokens"] == 39
+    for c in choices:
+        assert_same_greedy(alone, c.ids, c.tokens, Stream(alone, tokenizer, c.ids, 12).run().raw_tokens[0], 1e-2)
 
 
 def test_a_long_prompt_enters_in_chunks_between_decode_steps_of_a_running_stream(long_checkpoint):
