@@ -297,7 +297,7 @@ def test_gemma3_multimodal_folder_converts_to_its_language_model(tmp_path, tiny_
 
 # Rolling caches: a call takes at most 3 positions, so a sliding layer's ring holds 8 + 3 - 1 = 10 slots, and every
 # sequence below runs past it more than twice (3x the window: 24 positions and more).
-CHUNK, RING = 3, 10
+CHUNK = 3
 
 
 def rolling_caches(model, rows: int, length: int, chunk: int = CHUNK):

@@ -1290,9 +1290,9 @@ def test_rolling_caches_serve_each_request_as_alone(tiny_tokenizer_json, tmp_pat
     """A model with a sliding window of 8 in slots of 128 positions keeps rings of 8 + 5 - 1 slots (prefill chunks
     of 5 tokens) and the idle rows' reserved ones. Prompts up to 61 tokens, entering in chunks beside decode steps,
     with speculation (the model's int4 copy as its draft, with rings of its own: some drafts kept, some rejected) or
-    without, get the
-    greedy text they get alone through full-length caches; so do the conversations' next turns, which reuse what
-    their slots held, and turns that part from them earlier than the rings reach, which are prefilled anew."""
+    without, get the greedy text they get alone through full-length caches; so do the conversations' next turns,
+    which reuse what their slots held, and turns that part from them earlier than the rings reach, which are
+    prefilled anew."""
     checkpoint = sliding_checkpoint(tmp_path, tiny_tokenizer_json)
     tokenizer = load_tokenizer(checkpoint)
     draft = None if draft_name is None else quantize_model(load_model(checkpoint), "int4", 32)
