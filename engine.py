@@ -61,9 +61,9 @@ from speculate import (
     check_round_costs,
     choose_depth,
     depth_choices,
+    draft_depth,
     lookup_drafts,
     measure_round_costs,
-    probe_depth,
 )
 from tokenizer import Tokenizer
 
@@ -673,17 +673,9 @@ class Engine:
     def speculate(self, rows: list[int]):
         """One round of speculative decoding with the draft for every decoding row, of the depth that yields
         the most tokens a second (speculate.choose_depth; 0: a decode step, which the draft reads too), or of
-        speculate.probe_depth where a row's probe is due (speculate.Probes)."""
+        speculate.probe_depth where a row's probe is due (speculate.draft_depth)."""
         n = self.batch_size(rows)
-        depth = choose_depth(self.costs(n), [(self.slots[i].acceptance, self.k) for i in rows])
-        if depth:
-            for i in rows:
-                self.slots[i].probes.followed()
-        elif any(self.slots[i].probes.due() for i in rows):
-            for i in rows:
-                if self.slots[i].probes.due():
-                    self.slots[i].probes.probed()
-            depth = probe_depth(self.costs(n), self.k)
+        depth = draft_depth(self.costs(n), [(self.slots[i].acceptance, self.slots[i].probes) for i in rows], self.k)
         if depth == 0:
             return self.decode(rows)
         state = self.state_rows(slice(0, n))

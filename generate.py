@@ -74,10 +74,10 @@ from speculate import (
     check_round_costs,
     choose_depth,
     depth_choices,
+    draft_depth,
     lookup_drafts,
     measure_round_costs,
     plain_rounds,
-    probe_depth,
 )
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -219,12 +219,10 @@ def speculative_generate(
     ):
         pos, cur = len(tokens) - 1, torch.tensor([tokens[-1:]], device=device)
         proposal = index.propose(k) if index is not None else []
-        depth = choose_depth(round_costs, [(acceptance, k if draft is not None else len(proposal))])
-        if draft is not None and depth:
-            probes.followed()
-        elif draft is not None and probes.due():
-            probes.probed()
-            depth = probe_depth(round_costs, k)
+        if draft is None:
+            depth = choose_depth(round_costs, [(acceptance, len(proposal))])
+        else:
+            depth = draft_depth(round_costs, [(acceptance, probes)], k)
         if depth == 0:
             # A draft model's plain rounds observe nothing, so the controller's next choices are known already: the
             # plain rounds in a row run chained on the device, with a host sync every CHECK_INTERVAL as in plain

@@ -100,9 +100,10 @@ class Transformer(nn.Module):
         self.register_buffer("packed_output", None, persistent=False)
         self.max_batch_size = -1
         self.max_seq_length = -1
-        # Rolling caches (setup_caches): the ring's slots, the reserved positions after it, the most positions a call
-        # takes, and the position each sliding layer's slot holds [rows, 1, slots] (-1: none yet), where a layer slides.
-        self.ring_size, self.reserved, self.chunk = -1, 0, -1
+        # Rolling caches (setup_caches): whether the sliding layers' are (else full-length), the ring's slots, the
+        # reserved positions after it, the most positions a call takes, and the position each sliding layer's slot
+        # holds [rows, 1, slots] (-1: none yet), where a layer slides.
+        self.rolling, self.ring_size, self.reserved, self.chunk = False, -1, 0, -1
         self.register_buffer("ring_positions", None, persistent=False)
         self.kv_cache_dtype: torch.dtype | None = None  # torch.int8: quantized caches (KVCache); None: the model's
 
@@ -183,8 +184,8 @@ class Transformer(nn.Module):
                 f"does not fit in the free memory of {device}"
             ) from None
         self.max_batch_size, self.max_seq_length = max_batch_size, max_seq_length
-        self.ring_size, self.reserved = ring, reserved
-        self.chunk = min(chunk, max_seq_length) if chunk and ring + reserved < max_seq_length else max_seq_length
+        self.rolling, self.ring_size, self.reserved = ring + reserved < max_seq_length, ring, reserved
+        self.chunk = min(chunk, max_seq_length) if self.rolling else max_seq_length
         held = torch.full((max_batch_size, 1, ring + reserved), -1, device=device) if c.sliding_window else None
         self.register_buffer("ring_positions", held, persistent=False)
         if c.position_embedding == "rope":
@@ -347,8 +348,7 @@ class Transformer(nn.Module):
         positions the slots hold (held [B, 1, slots], ring_positions' of the batch's rows): the last
         sliding_window positions up to the query's own, none of them padding. A rolling cache is read whole, a
         full-length one as far as kv_length."""
-        rolling = self.ring_size + self.reserved < self.max_seq_length
-        length = held.shape[-1] if rolling or kv_length is None else kv_length
+        length = held.shape[-1] if self.rolling or kv_length is None else kv_length
         h = held[rows, :, :length]  # [rows, 1, length]
         at = (input_pos if input_pos.dim() == 1 else input_pos[rows])[..., None]  # [S, 1] or [rows, S, 1]
         seen = (h <= at) & (at - h < self.config.sliding_window) & (h >= left_pad[rows, None, None])

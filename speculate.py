@@ -164,6 +164,21 @@ class Probes:
         self.wait, self.gap = RETRY_GAP, PROBE_GAP
 
 
+def draft_depth(costs: dict[int, float], rows: list[tuple[Acceptance, Probes]], available: int) -> int:
+    """The depth of a round with a draft model for several rows (each its acceptance and its probes; each row has
+    available drafts): choose_depth's, recorded as followed in every row, where that speculates; else probe_depth
+    where some row's probe is due, recorded as probed in those rows; else 0."""
+    depth = choose_depth(costs, [(acceptance, available) for acceptance, _ in rows])
+    if depth:
+        for _, probes in rows:
+            probes.followed()
+        return depth
+    due = [probes for _, probes in rows if probes.due()]
+    for probes in due:
+        probes.probed()
+    return probe_depth(costs, available) if due else 0
+
+
 def measure_round_costs(run_round: Callable[[int], None], depths: tuple[int, ...]) -> dict[int, float]:
     """Seconds of a round at each depth: run_round(depth) runs one and waits for it. Each depth's first call
     compiles and warms up; then COST_REPEATS passes over all depths in turn, each depth's least time kept (what

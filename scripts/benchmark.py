@@ -14,12 +14,13 @@ change in the machine's load hits all of them alike; the table shows medians ove
 one warm-up run each (which, for compiled ones, compiles: "compile s"; "recompiles" counts the graphs Dynamo
 compiled after it, during the timed runs, which should be none). MBU = bytes of weights a decode
 step reads x steps per second / the copy bandwidth measured at the start of the same run.
---start times what a user waits for: `generate.py --compile` in a new process, from its start to its
-exit after 2 greedy tokens (an upper bound of the time to the first token), with an empty inductor
+--compile_prefill compiles the compiled configurations' prefill too, as generate.py's flag does.
+--start times what a user waits for: `generate.py --compile` (and --compile_prefill) in a new process, from its
+start to its exit after 2 greedy tokens (an upper bound of the time to the first token), with an empty inductor
 cache ("first start s") and then with the cache that run left ("start s").
 int8 / int4 models are quantized in memory (round to nearest; int4 groups of --groupsize), or a configuration names
 a checkpoint file (float, or quantized as the file says). --check fails a compiled configuration that decodes slower
-than the same one eager or prefills more than 10% slower (the same eager prefill: only noise may part them), and
+than the same one eager or prefills more than 10% slower (without --compile_prefill the same eager prefill), and
 an int8/int4 one that decodes slower than float32 run the same way.
 llama.cpp runs through the optional `llama-cpp-python` package (pip install llama-cpp-python): the GGUF as it is,
 and its F32 / F16 / Q8_0 / Q4_1 copies made by the package's own quantize function. Our rows compare with the copy of
@@ -216,8 +217,8 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
         )
     elif with_draft:
         draft = load_model(args.draft, args.device, default_dtype(args.device), kernels=kernels)
-    # Compiled: the decode steps; the prefill stays eager (compiling it for dynamic shapes costs minutes here).
-    steps = compile_steps(args.device, decode=compiled)
+    # Compiled: the decode steps, and with --compile_prefill the prefill (one shape here: the prompt's).
+    steps = compile_steps(args.device, decode=compiled, prefill=compiled and args.compile_prefill)
     extra = dict(draft_model=draft, speculate_k=args.speculate_k) if draft is not None else {}
     ahead = args.speculate_k + 1 if draft is not None else 0
     for m in (model, draft) if draft is not None else (model,):
@@ -242,6 +243,7 @@ def our_entry(args, config: Config, prompt: list[int], with_draft: bool = False)
     name = f"ours {'compiled' if compiled else 'eager'} {precision}{file}{path}" + (
         f" + draft (k={args.speculate_k})" if draft else ""
     )
+    name += ", prefill compiled" if compiled and args.compile_prefill else ""
     peer = None
     if "llama.cpp" in args.peers:
         peer = f"llama.cpp {gguf_file_type(peers_gguf(args)) if config.from_gguf else LLAMA_CPP_TYPES[precision]}"
@@ -268,6 +270,7 @@ def measure_start(args, config: Config, folder: Path) -> tuple[float, float]:
         "--checkpoint_path",
         str(checkpoint),
         "--compile",
+        *(["--compile_prefill"] if args.compile_prefill else []),
         "--prompt",
         "Hello",
         "--max_new_tokens",
@@ -555,6 +558,11 @@ def parser() -> argparse.ArgumentParser:
         help="also draw decode tok/s per precision, ours vs the peers, as a PNG file (needs matplotlib)",
     )
     p.add_argument(
+        "--compile_prefill",
+        action="store_true",
+        help="compiled configurations compile the prefill too (generate.py --compile_prefill)",
+    )
+    p.add_argument(
         "--start",
         action="store_true",
         help="also time generate.py --compile from process start to its first tokens, first-ever "
@@ -764,8 +772,9 @@ def slower_configurations(entries: list[Entry]) -> list[str]:
                 f"{e.name} decodes {e.median('decode_tokens_per_s'):.1f} tok/s, "
                 f"{other.name} {other.median('decode_tokens_per_s'):.1f}"
             )
-        # A compiled configuration runs the eager one's prefill: the same code, so only a fault (such as a product
-        # fused eagerly) and not the run's noise may take it below PREFILL_NOISE of the eager one's.
+        # A compiled configuration runs the eager one's prefill (the same code, so only a fault such as a product
+        # fused eagerly, and not the run's noise, may take it below PREFILL_NOISE of the eager one's), or with
+        # --compile_prefill a compiled one, which must not be slower either.
         prefill, eager_prefill = e.median("prefill_tokens_per_s"), other.median("prefill_tokens_per_s")
         if against == "eager" and prefill < PREFILL_NOISE * eager_prefill:
             problems.append(f"{e.name} prefills {prefill:.0f} tok/s, {other.name} {eager_prefill:.0f}")

@@ -9,6 +9,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import kernels  # noqa: E402
+from convert_hf_checkpoint import convert_hf_checkpoint  # noqa: E402
 from decode import inductor_cache_dir  # noqa: E402
 
 # Every test that compiles does so in the CPU capability's own inductor cache, as decode.compile_steps does: a test
@@ -178,8 +179,6 @@ def make_hf_llama(
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory, tiny_tokenizer_json) -> Path:
     """A converted tiny GQA model: checkpoint folder with model.pth, config.json and tokenizer."""
-    from convert_hf_checkpoint import convert_hf_checkpoint
-
     hf_dir = tmp_path_factory.mktemp("hf_tiny")
     make_hf_llama(hf_dir, tiny_tokenizer_json, num_key_value_heads=2)
     out = tmp_path_factory.mktemp("ours") / "tiny"

@@ -85,6 +85,19 @@ def test_own_quantized_copy_as_draft_and_no_recompiles(tiny_checkpoint):
     assert all(r["compile_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
 
 
+def test_compiled_prefill_compiles_once(tiny_checkpoint):
+    """--compile_prefill: a compiled configuration's prefill is compiled too, in its warm-up, and the timed runs
+    compile nothing more; an eager one stays eager."""
+    args = ["--configs", "compiled:float32,eager:float32", "--compile_prefill", "--rounds", "2", "--prompt_length", "8"]
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), *args, "--new_tokens", "4", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["config"], r["recompiles"]) for r in rows] == [
+        ("ours compiled float32 (fused), prefill compiled", 0),
+        ("ours eager float32 (library)", 0),
+    ]
+
+
 def test_check_flags_compiled_slower_than_eager_and_quantized_slower_than_float32():
     def entry(name, config, *speeds, prefill=100):
         runs = [{"decode_tokens_per_s": s, "prefill_tokens_per_s": prefill} for s in speeds]

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import generate as gen
-from conftest import ROOT, SMOLLM2_DIR, assert_same_greedy
+from conftest import ROOT, SMOLLM2_DIR, assert_same_greedy, make_hf_llama
+from convert_hf_checkpoint import convert_hf_checkpoint
+from test_families import FAMILIES
 from tokenizer import load_tokenizer
 
 
@@ -137,10 +139,6 @@ def test_interactive_conversation_from_a_pipe(tiny_checkpoint):
 def test_gpt2_continues_piped_text_and_converses(tmp_path, tiny_tokenizer_json):
     """As the seed's GPT-2 command-line tool: a prompt piped to stdin is continued (no chat template: plain text),
     and --interactive reads prompts until EOF."""
-    from conftest import make_hf_llama
-    from convert_hf_checkpoint import convert_hf_checkpoint
-    from test_families import FAMILIES
-
     model_cls, config_cls, overrides = FAMILIES["gpt2"]
     make_hf_llama(tmp_path / "hf", tiny_tokenizer_json, model_cls, config_cls, **overrides)
     convert_hf_checkpoint(tmp_path / "hf", tmp_path / "gpt2")

@@ -2,6 +2,8 @@
 switched on, converted from its save_pretrained folder (logits, the KV cache, greedy generation, padded batches,
 quantization)."""
 
+import functools
+
 import pytest
 import torch
 import transformers as tf
@@ -118,12 +120,12 @@ FAMILIES = {
 }
 
 
-def converted(name: str, folder, tokenizer_json):
-    """(name, transformers model, our model converted from its folder) of a family."""
+def converted(name: str, folder, tokenizer_json, device="cpu"):
+    """(name, transformers model, our model converted from its folder and loaded on device) of a family."""
     model_cls, config_cls, overrides = FAMILIES[name]
     hf = make_hf_llama(folder / "hf", tokenizer_json, model_cls, config_cls, norm_noise=0.1, **overrides)
     convert_hf_checkpoint(folder / "hf", folder / "ours")
-    return name, hf, load_model(folder / "ours")
+    return name, hf, load_model(folder / "ours", device)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -132,10 +134,11 @@ def family(request, tmp_path_factory, tiny_tokenizer_json):
 
 
 @pytest.fixture(scope="module", params=["gemma3", "mistral"])
-def windowed(request, tmp_path_factory, tiny_tokenizer_json):
-    """A family with sliding windows of 8: Gemma 3 (two sliding layers and a full one), Mistral (all sliding)."""
+def windowed(request, tmp_path_factory, tiny_tokenizer_json, device):
+    """A family with sliding windows of 8, ours on the test device: Gemma 3 (two sliding layers and a full one),
+    Mistral (all sliding)."""
     folder = tmp_path_factory.mktemp(request.param + "_rolling")
-    return (*converted(request.param, folder, tiny_tokenizer_json), folder / "ours")
+    return (*converted(request.param, folder, tiny_tokenizer_json, device), folder / "ours")
 
 
 def test_logits_and_kv_cache_match_transformers(family):
@@ -314,17 +317,18 @@ def rolling_caches(model, rows: int, length: int, chunk: int = CHUNK):
         )
 
 
-def test_rolling_caches_give_transformers_logits(windowed):
+def test_rolling_caches_give_transformers_logits(windowed, device):
     """A forward over 24 positions (in pieces of 3), token by token, and after rows swapped or copied, through
-    rings of 10 slots: transformers' logits."""
+    rings of 10 slots: transformers' logits (theirs on the CPU, ours on the test device)."""
     name, hf, model, _ = windowed
-    x = torch.randint(0, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    x_cpu = torch.randint(0, TINY_VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
+    x, arange = x_cpu.to(device), functools.partial(torch.arange, device=device)
     with torch.no_grad():
-        reference = hf(x).logits
+        reference = hf(x_cpu).logits.to(device)
         rolling_caches(model, 2, 24)
-        assert (model(x, torch.arange(24)) - reference).abs().max() < TOLERANCE, name
+        assert (model(x, arange(24)) - reference).abs().max() < TOLERANCE, name
         rolling_caches(model, 2, 24)
-        stepwise = torch.cat([model(x[:, i : i + 1], torch.tensor([i])) for i in range(24)], dim=1)
+        stepwise = torch.cat([model(x[:, i : i + 1], arange(i, i + 1)) for i in range(24)], dim=1)
         assert (stepwise - reference).abs().max() < TOLERANCE, name
         # A ring keeps its last 10 positions: a query at 24 still finds its window, one at 10 no longer.
         assert model.holds(0, 0, 24) and not model.holds(0, 0, 10)
@@ -332,8 +336,8 @@ def test_rolling_caches_give_transformers_logits(windowed):
         # or row 0's copied into row 1, go on as the rows they took.
         for move in ("swap", "copy"):
             rolling_caches(model, 2, 24)
-            model(x[:1, :17], torch.arange(17), cache_rows=torch.tensor([0]))
-            model(x[1:, :12], torch.arange(12), cache_rows=torch.tensor([1]))
+            model(x[:1, :17], arange(17), cache_rows=arange(0, 1))
+            model(x[1:, :12], arange(12), cache_rows=arange(1, 2))
             if move == "swap":
                 model.swap_rows(0, 1, 17)
                 rows, starts = (1, 0), (12, 17)  # what each cache row now holds, and its length
@@ -341,7 +345,7 @@ def test_rolling_caches_give_transformers_logits(windowed):
                 model.copy_positions(0, 1, 0, 17)
                 rows, starts = (0, 0), (17, 17)
             for cache_row, (row, start) in enumerate(zip(rows, starts)):
-                logits = model(x[row : row + 1, start:], torch.arange(start, 24), cache_rows=torch.tensor([cache_row]))
+                logits = model(x[row : row + 1, start:], arange(start, 24), cache_rows=arange(cache_row, cache_row + 1))
                 assert (logits - reference[row : row + 1, start:]).abs().max() < TOLERANCE, (name, move)
 
 

@@ -29,6 +29,7 @@ from speculate import (
     Probes,
     choose_depth,
     depth_choices,
+    draft_depth,
     expected_tokens,
     plain_rounds,
     probe_depth,
@@ -418,12 +419,19 @@ def test_a_draft_the_prior_keeps_off_is_probed():
             assert depths[4] == 1 and result.speculation["acceptance_rate"] < 0.5
     probes, probed = Probes(), []
     for round_ in range(8 * PROBE_GAP):
-        if probes.due():
-            probes.probed()
+        if draft_depth(costs, [(Acceptance(), probes)], 4):
             probed.append(round_)
         else:
             probes.plain(1)
     assert probed == [0, 1 + PROBE_GAP, 2 + 3 * PROBE_GAP, 3 + 7 * PROBE_GAP]
+    # Of several rows, those whose probe is due are probed, all of them in one round; the others wait on.
+    due, waiting = Probes(), Probes(wait=5)
+    assert draft_depth(costs, [(Acceptance(), due), (Acceptance(), waiting)], 4) == 4
+    assert (due.wait, due.gap, waiting.wait) == (PROBE_GAP, 2 * PROBE_GAP, 5)
+    assert draft_depth(costs, [(Acceptance(), due), (Acceptance(), waiting)], 4) == 0
+    kept = Acceptance(kept=9.0, tried=9.0)
+    assert draft_depth(costs, [(kept, due), (kept, waiting)], 4) == 4
+    assert due.wait == waiting.wait == RETRY_GAP, "speculating rows are followed"
     # One the controller followed is probed again soon after it turns the draft off, then as from the start.
     probes.followed()
     probes.plain(RETRY_GAP - 1)
