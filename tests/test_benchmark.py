@@ -1,6 +1,7 @@
 """scripts/benchmark.py as a user runs it: one JSON row per configuration, figures that agree with each other."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,9 +13,9 @@ from conftest import ROOT
 from quantize import quantize_checkpoint
 
 
-def run_benchmark(*args):
+def run_benchmark(*args, env=None):
     command = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_benchmark_rows(tiny_checkpoint, tmp_path):
@@ -86,11 +87,13 @@ def test_own_quantized_copy_as_draft_and_no_recompiles(tiny_checkpoint):
 
 
 def test_compiled_prefill_compiles_once(tiny_checkpoint):
-    """--compile_prefill: a compiled configuration's prefill is compiled too, in its warm-up, and the timed runs
-    compile nothing more; an eager one stays eager."""
+    """--compile_prefill: a compiled configuration's prefill is compiled too (TorchDynamo's log says it traces
+    decode.prefill), in its warm-up, and the timed runs compile nothing more; an eager one stays eager."""
     args = ["--configs", "compiled:float32,eager:float32", "--compile_prefill", "--rounds", "2", "--prompt_length", "8"]
-    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), *args, "--new_tokens", "4", "--json")
+    env = dict(os.environ, TORCH_LOGS="dynamo")
+    result = run_benchmark("--checkpoint_path", str(tiny_checkpoint), *args, "--new_tokens", "4", "--json", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("torchdynamo start tracing prefill") == 1
     rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert [(r["config"], r["recompiles"]) for r in rows] == [
         ("ours compiled float32 (fused), prefill compiled", 0),
