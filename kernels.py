@@ -350,17 +350,28 @@ def cpu_product(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kern
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-@torch.library.custom_op("gpt_fast::onednn_linear", mutates_args=())
-def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
+def onednn_product(x: Tensor, weight: Tensor) -> Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in float32, by oneDNN (MKL is what F.linear runs); weight as it is or in
-    oneDNN's layout (onednn_layout). An operator of our own so that compiled steps can call it: inductor lowers
-    oneDNN's linear for constant weights only, which it prepacks itself."""
+    oneDNN's layout (onednn_layout)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-@onednn_linear.register_fake
+# onednn_product as an operator of our own, gpt_fast::onednn_linear, so that compiled steps can call it: inductor
+# lowers oneDNN's linear for constant weights only, which it prepacks itself. Defined with torch.library.Library, not
+# torch.library.custom_op, whose Python wrapper costs several times more per call (docs/performance.md): a batched
+# step or a prefill calls it once per linear layer.
+ONEDNN_OPS = torch.library.Library("gpt_fast", "FRAGMENT")
+ONEDNN_OPS.define("onednn_linear(Tensor x, Tensor weight) -> Tensor")
+ONEDNN_OPS.impl("onednn_linear", onednn_product, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("gpt_fast::onednn_linear")
 def _(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def onednn_linear(x: Tensor, weight: Tensor) -> Tensor:
+    return torch.ops.gpt_fast.onednn_linear(x, weight)
 
 
 class Linear(nn.Linear):

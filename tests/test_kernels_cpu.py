@@ -386,6 +386,8 @@ def test_products_of_many_rows_read_the_weights_copy_in_onednn_layout(rows):
     state dict), which products of PACKED_ROWS rows or more read, within float32 rounding of the float64 product,
     eager and compiled alike; fewer rows read the weight itself. Which copy a product read shows once the weight
     itself is zeroed."""
+    # Linear.forward compiles once per test and shape in this module: within Dynamo's recompile limit alone too
+    torch._dynamo.reset()
     torch.manual_seed(rows)
     layer = kernels.Linear(320, 96, bias=True)
     kernels.set_kernels(layer, ONEDNN_PACKED)
