@@ -321,15 +321,15 @@ def linear(
 
 def runs_half_native(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kernels") -> bool:
     """Whether kernels_cpu.cpp's half_linear computes x @ weight.T: where the kernels say so (AVX2 CPUs), for one row
-    of x (a decode step of one sequence, a prefill's last position) on a CPU and bfloat16/float16 weights of 4n x 8m.
-    Its rows each read the weights again (from the cache), so a few rows stay with the fused product."""
+    of x (a decode step of one sequence, a prefill's last position) on a CPU and bfloat16/float16 weights [N, K] with K
+    a multiple of 8. Its rows each read the weights again (from the cache), so a few rows stay with the fused
+    product."""
     return (
         kernels.half_native
         and weight.dtype in (torch.bfloat16, torch.float16)
         and scales is None
         and x.device.type == "cpu"
         and x.numel() == x.shape[-1]
-        and weight.shape[0] % NATIVE_GROUP == 0
         and weight.shape[1] % 8 == 0
     )
 

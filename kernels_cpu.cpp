@@ -514,55 +514,57 @@ at::Tensor int4_weights(const at::Tensor& packed) {
 
 // bfloat16 or float16 weights [N, K] as they are (no layout of our own) times x [M, K] float32 -> [M, N] float32, for
 // products of a few rows on AVX2 CPUs (kernels.runs_half_native). A compiled step's fused product (kernels.linear)
-// widens the activation again for each output's sum; here x is float32 once, each weight is widened once in
-// registers, and 4 adjacent channels share each load of x: one stream of bytes a thread.
+// widens the activation again for each output's sum; here x is float32 once and each weight is widened once in
+// registers. Channels are taken one after the other, each row of weights read start to end: the whole matrix is one
+// sequential stream a thread, which the hardware prefetchers follow (interleaving a few channels' rows made as many
+// short streams, read more slowly).
 
-template <bool BF16>
-AVX2 inline __m256 widen8(const uint16_t* w) {
+// 8 weights widened to float32: bfloat16 by a shift, float16 by F16C.
+AVX2 inline __m256 widen8(const c10::BFloat16* w) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  if constexpr (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-  return _mm256_cvtph_ps(bits);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+AVX2 inline __m256 widen8(const c10::Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
-// Channels w[0..3] (rows K apart) times one row x: 8 lanes a channel, summed across at the end. K a multiple of 8.
-template <bool BF16>
-AVX2 void half_group(const uint16_t* w, int64_t K, const float* x, float* out) {
-  __m256 acc[GROUP];
-  for (int64_t c = 0; c < GROUP; c++) acc[c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    if (k % 32 == 0)  // the same cache line of the next group's channels: the prefetchers alone fetch it too late
-      for (int64_t c = 0; c < GROUP; c++)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (GROUP + c) * K + k), _MM_HINT_T0);
-    const __m256 xv = _mm256_loadu_ps(x + k);
-    for (int64_t c = 0; c < GROUP; c++) acc[c] = _mm256_fmadd_ps(widen8<BF16>(w + c * K + k), xv, acc[c]);
-  }
-  for (int64_t c = 0; c < GROUP; c++) out[c] = sum8(acc[c]);
+// One channel's weights w[0..K) times one row x: 32 inputs a pass into 4 independent sums of 8 lanes (one sum would
+// wait on each FMA's latency), then 8 at a time. K a multiple of 8.
+template <typename T>
+AVX2 float row_dot(const T* w, const float* x, int64_t K) {
+  __m256 acc[4];
+  for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(widen8(w + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+  for (; k < K; k += 8) acc[0] = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), acc[0]);
+  return sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+template <typename T>
+void rows_times(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const T* w = weight.data_ptr<T>();
+  const float* rows = x.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t m = 0; m < M; m++) out[m * N + n] = row_dot(w + n * K, rows + m * K, K);
+  });
 }
 
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
   // x [M, K] float32, weight [N, K] bfloat16 or float16 -> [M, N] float32
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 8 == 0,
               "half_linear: x must be float32 [M, K] with K a multiple of 8");
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kHalf) && weight.size(1) == x.size(1) &&
-                  weight.size(0) % GROUP == 0 && weight.is_contiguous(),
-              "half_linear: the weight must be contiguous bfloat16 or float16 [N, K] with N a multiple of 4");
+  const auto type = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (type == at::kBFloat16 || type == at::kHalf) && weight.size(1) == x.size(1) &&
+                  weight.is_contiguous(),
+              "half_linear: the weight must be contiguous bfloat16 or float16 [N, K]");
   const at::Tensor xc = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
-  const auto group = bf16 ? half_group<true> : half_group<false>;
-  const uint16_t* w = static_cast<const uint16_t*>(weight.data_ptr());
-  const float* rows = xc.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, N / GROUP, 16, [&](int64_t begin, int64_t end) {
-    float column[GROUP];
-    for (int64_t g = begin; g < end; g++) {
-      for (int64_t m = 0; m < M; m++) {
-        group(w + g * GROUP * K, K, rows + m * K, column);
-        for (int64_t c = 0; c < GROUP; c++) out[m * N + g * GROUP + c] = column[c];
-      }
-    }
-  });
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (type == at::kBFloat16) rows_times<c10::BFloat16>(xc, weight, y);
+  else rows_times<c10::Half>(xc, weight, y);
   return y;
 }
 
