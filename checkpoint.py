@@ -22,8 +22,11 @@ from tokenizer import read_text
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "SmolLM2-135M-Instruct" / "model.pth"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv_cache_dtype's choices (every script that runs a model): how model.KVCache stores keys and values
-KV_CACHE_DTYPES = {"int8": torch.int8}
-KV_CACHE_HELP = "int8: codes and a float32 scale per position and head (default: the model's dtype)"
+KV_CACHE_DTYPES = {"int8": torch.int8, **DTYPES}
+KV_CACHE_HELP = (
+    "int8: codes and a float32 scale per position and head; float32, bfloat16, float16: the values rounded to it "
+    "(default: the model's dtype)"
+)
 DEFAULT_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # --device's default in every script
 
 

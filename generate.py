@@ -371,7 +371,8 @@ def load_models(
     the tokenizer. dtype_name: a key of checkpoint.DTYPES, None for default_dtype(device); the CPU kernels are
     Kernels.choose(device, compiled, matvec, quantized, rows, half), quantized when either checkpoint is, half for a
     bfloat16/float16 dtype, rows the most a decode step computes (batch rows, times the positions a speculative round
-    verifies). kv_cache_dtype: "int8" for quantized KV caches (model.KVCache), None for the model's dtype."""
+    verifies). kv_cache_dtype: a key of checkpoint.KV_CACHE_DTYPES, how the KV caches store keys and values ("int8":
+    quantized; model.KVCache), None for the model's dtype."""
     paths = [p for p in (checkpoint_path, draft_checkpoint_path) if p is not None]
     quantized = any(load_checkpoint(resolve_checkpoint(p))[1] is not None for p in paths)  # memory-mapped: cheap
     dtype = DTYPES[dtype_name] if dtype_name else default_dtype(device)

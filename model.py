@@ -25,15 +25,16 @@ ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approxima
 
 class KVCache(nn.Module):
     """Keys and values in slots, one a position (a sliding layer's rolling cache: those its ring holds,
-    Transformer.setup_caches), stored per KV head (before GQA expansion): in the model's dtype, or with quantized set
-    as int8 codes and a float32 scale per position and head (max |x| / 127), quantized as they are written and
-    widened to the model's dtype where they are read."""
+    Transformer.setup_caches), stored per KV head (before GQA expansion) in stored (default: dtype, the model's):
+    int8 stores codes and a float32 scale per position and head (max |x| / 127), quantized as they are written;
+    another float dtype stores the values rounded to it. Either is read back in dtype."""
 
-    def __init__(self, max_batch_size, slots, n_kv_heads, head_dim, dtype, quantized: bool = False):
+    def __init__(self, max_batch_size, slots, n_kv_heads, head_dim, dtype, stored: torch.dtype | None = None):
         super().__init__()
         shape = (max_batch_size, n_kv_heads, slots, head_dim)
         self.dtype = dtype
-        stored = torch.int8 if quantized else dtype
+        stored = stored or dtype
+        quantized = stored == torch.int8
         self.register_buffer("k_cache", torch.zeros(shape, dtype=stored), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=stored), persistent=False)
         scales = (*shape[:3], 1)
@@ -45,7 +46,7 @@ class KVCache(nn.Module):
         # its own length), into cache rows 0..B-1 or the cache rows listed in cache_rows [B]
         for cache, scale, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
             if scale is None:
-                write_positions(cache, slots, x, cache_rows)
+                write_positions(cache, slots, x.to(cache.dtype), cache_rows)
             else:
                 amax = x.float().abs().amax(-1, keepdim=True)
                 codes = (x.float() * (127 / amax.clamp(min=torch.finfo(torch.float32).tiny))).round()
@@ -54,11 +55,11 @@ class KVCache(nn.Module):
 
     def read(self, rows: slice | Tensor, length: int) -> tuple[Tensor, Tensor]:
         """The keys and values of some cache rows (a slice of them, or a tensor listing them) in slots 0..length-1,
-        [rows, H_kv, length, D] in the model's dtype: views of the cache, or for listed rows (or a quantized cache)
-        copies of those slots."""
+        [rows, H_kv, length, D] in the model's dtype: views of the cache, or for listed rows (or a cache stored in
+        another dtype) copies of those slots."""
         k, v = self.k_cache[rows, :, :length], self.v_cache[rows, :, :length]
         if self.k_scale is None:
-            return k, v
+            return k.to(self.dtype), v.to(self.dtype)
         k_scale, v_scale = self.k_scale[rows, :, :length], self.v_scale[rows, :, :length]
         return (k * k_scale).to(self.dtype), (v * v_scale).to(self.dtype)
 
@@ -105,17 +106,17 @@ class Transformer(nn.Module):
         # holds [rows, 1, slots] (-1: none yet), where a layer slides.
         self.rolling, self.ring_size, self.reserved, self.chunk = False, -1, 0, -1
         self.register_buffer("ring_positions", None, persistent=False)
-        self.kv_cache_dtype: torch.dtype | None = None  # torch.int8: quantized caches (KVCache); None: the model's
+        # how the KV caches store keys and values (KVCache's stored): torch.int8 (quantized) or a float dtype; None:
+        # in the model's dtype
+        self.kv_cache_dtype: torch.dtype | None = None
 
     def kv_bytes_per_position(self, dtype: torch.dtype | None = None, kind: str | None = None) -> int:
         """The KV cache's bytes for one position of one row, over every layer (or those of one kind, full_attention
-        or sliding_attention) of this rank under tensor parallelism: int8 codes and a float32 scale per head where
-        kv_cache_dtype is int8, else dtype's values."""
+        or sliding_attention) of this rank under tensor parallelism: kv_cache_dtype's values where it is set (int8:
+        codes and a float32 scale per head), else dtype's (default: the model's)."""
         heads = sum(layer.attention.n_kv_heads for layer in self.layers if kind in (None, layer.attention.kind))
-        dtype = dtype or self.tok_embeddings.weight.dtype
-        per_head = (
-            self.config.head_dim + 4 if self.kv_cache_dtype == torch.int8 else self.config.head_dim * dtype.itemsize
-        )
+        stored = self.kv_cache_dtype or dtype or self.tok_embeddings.weight.dtype
+        per_head = self.config.head_dim + 4 if stored == torch.int8 else self.config.head_dim * stored.itemsize
         return 2 * heads * per_head
 
     def kv_cache_bytes(
@@ -151,7 +152,8 @@ class Transformer(nn.Module):
         chunk: int | None = None,
         reserved: int = 0,
     ):
-        # dtype: the keys' and values' (default: the model's); the cache stores int8 codes where kv_cache_dtype says.
+        # dtype: the keys' and values' as attention reads them (default: the model's); the caches store them in
+        # kv_cache_dtype where it is set.
         # chunk: the most positions a call takes (forward runs a longer one in pieces of chunk), which is also the most
         # by which a call may write past the first position of the next (a rejected draft's): a sliding layer then
         # keeps a rolling cache of sliding_window + chunk - 1 slots, a ring where position p takes slot p mod its
@@ -162,7 +164,6 @@ class Transformer(nn.Module):
         dtype = dtype or self.tok_embeddings.weight.dtype
         device = self.tok_embeddings.weight.device
         c = self.config
-        quantized = self.kv_cache_dtype == torch.int8
         ring = self.ring_length(max_seq_length, chunk, reserved)
         size = self.kv_cache_bytes(max_batch_size, max_seq_length, chunk, reserved, dtype)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.type == "cpu" else None
@@ -176,7 +177,9 @@ class Transformer(nn.Module):
                 attn = layer.attention
                 length = ring + reserved if attn.kind == "sliding_attention" else max_seq_length
                 with torch.device(device):
-                    attn.kv_cache = KVCache(max_batch_size, length, attn.n_kv_heads, c.head_dim, dtype, quantized)
+                    attn.kv_cache = KVCache(
+                        max_batch_size, length, attn.n_kv_heads, c.head_dim, dtype, self.kv_cache_dtype
+                    )
         except torch.OutOfMemoryError:
             self.max_batch_size = self.max_seq_length = -1  # the layers' caches are mixed now: set up anew next time
             raise ValueError(

@@ -46,13 +46,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmark import DEFAULT_GGUF, LLAMA_CPP_TYPES, gguf_file_type, gguf_variant  # noqa: E402
 from chat import encode_conversation  # noqa: E402
-from checkpoint import DEFAULT_CHECKPOINT, HelpFormatter, load_checkpoint, resolve_checkpoint, user_errors  # noqa: E402
+from checkpoint import (  # noqa: E402
+    DEFAULT_CHECKPOINT,
+    KV_CACHE_DTYPES,
+    HelpFormatter,
+    load_checkpoint,
+    resolve_checkpoint,
+    user_errors,
+)
 from decode import Stream, compile_steps  # noqa: E402
 from generate import load_models  # noqa: E402
 from kernels import MATVECS  # noqa: E402
 from speculative_demo import EDITED_FILE, WORKLOADS  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
+# --kv_cache_dtype as llama-server's cache types (-ctk, -ctv); its default is f16
+LLAMA_CACHE_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -159,6 +168,7 @@ def ours_command(args, port: int, *flags: str) -> list[str]:
         str(args.max_seq_length),
         "--kernels",
         args.kernels,
+        *(["--kv_cache_dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []),
         *flags,
     ] + ["--compile"] * args.compile
 
@@ -192,6 +202,7 @@ def llama_server_command(args, port: int, gguf: Path) -> list[str]:
         "-cb",
         "--no-webui",
         "--log-disable",
+        *(["-ctk", cache, "-ctv", cache] if (cache := LLAMA_CACHE_TYPES.get(args.kv_cache_dtype)) else []),
     ]
 
 
@@ -264,7 +275,9 @@ def single_stream(args, url: str) -> dict:
     each question through generate.py and then through the idle server, back to back, as speeds drift with the
     host."""
     cpu = torch.device("cpu")
-    model, tokenizer, _ = load_models(args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels)
+    model, tokenizer, _ = load_models(
+        args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels, kv_cache_dtype=args.kv_cache_dtype
+    )
     steps = compile_steps(cpu, args.compile)
     prompts = [encode_conversation(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
     # One cache for all requests, as large as the longest needs, so that the compiled step never recompiles.
@@ -303,6 +316,13 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kernels", choices=MATVECS, default="auto", help="as generate.py's flag")
     p.add_argument("--max_seq_length", type=int, default=2048, help="positions per slot, both servers")
+    p.add_argument(
+        "--kv_cache_dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="server.py's (default: the model's dtype); llama-server's too for float32, bfloat16 and float16 "
+        "(otherwise its default, float16)",
+    )
     p.add_argument("--port", type=int, default=8765, help="server.py's; llama-server's is the next")
     p.add_argument("--ngram", action="store_true", help="server.py --ngram too, each row beside server.py's")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -353,7 +373,8 @@ def main(argv=None):
         f"{args.checkpoint_path}, {'compiled' if args.compile else 'eager'}, {os.cpu_count()} CPUs, "
         f"torch threads {torch.get_num_threads()}, greedy, max_tokens {args.max_tokens}"
         f"{' (ignore_eos)' if args.ignore_eos else ''}, "
-        f"{max(args.clients)} slots of {args.max_seq_length}; started in "
+        f"{max(args.clients)} slots of {args.max_seq_length}, KV cache {args.kv_cache_dtype or 'in the model dtype'} "
+        f"(llama-server: {LLAMA_CACHE_TYPES.get(args.kv_cache_dtype, 'f16')}); started in "
         + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
     )
     theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"].startswith("llama-server")}

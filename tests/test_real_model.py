@@ -136,32 +136,34 @@ def test_bfloat16_native_and_fused_decode_agree():
 
 # How far an int8 KV cache may move the default model's logits from the float32 cache's on the test prompts: the
 # measured worst (docs/usage.md) with room for other CPUs' rounding.
-INT8_KV_MARGIN = 2.0
+# A smaller KV cache's bound on a parting logit gap (assert_same_greedy) and on the perplexity's relative change
+KV_DTYPE_BOUNDS = [(torch.int8, 2.0, 0.01), (torch.bfloat16, 0.5, 0.001)]
 
 
-def test_int8_kv_cache_keeps_the_greedy_tokens_and_the_perplexity():
-    """--kv_cache_dtype int8 on the default model: the float32 cache's greedy tokens on the test prompts, eager,
-    compiled and speculating by prompt lookup, except at near-ties; the perplexity of the last 1024 tokens of eval.py's
-    default text within 1% of the float32 cache's (512-token windows). A wrong scale or a misplaced position parts
-    them by far more."""
+@pytest.mark.parametrize("kv_dtype, margin, perplexity_change", KV_DTYPE_BOUNDS)
+def test_a_smaller_kv_cache_keeps_the_greedy_tokens_and_the_perplexity(kv_dtype, margin, perplexity_change):
+    """--kv_cache_dtype int8 or bfloat16 on the default model (float32): the float32 cache's greedy tokens on the
+    test prompts, eager, compiled and speculating by prompt lookup, except at near-ties; the perplexity of the last
+    1024 tokens of eval.py's default text within 1% (int8) or 0.1% (bfloat16) of the float32 cache's (512-token
+    windows). A wrong scale or a misplaced position parts them by far more."""
     eager, tokenizer = load_model(SMOLLM2_DIR, kernels=Kernels.choose(CPU, False)), load_tokenizer(SMOLLM2_DIR)
     compiled = load_model(SMOLLM2_DIR, kernels=Kernels.choose(CPU, True))
     prompts = [tokenizer.encode(t) for t in SMOLLM2_PROMPTS]
     expected = [generate(eager, p, 16).tokens[0] for p in prompts]
     tokens = tokenizer.encode(default_text())[-1024:]
     float_perplexity = perplexity(eager, tokens, 512, 256)[0]
-    eager.kv_cache_dtype = compiled.kv_cache_dtype = torch.int8
-    assert perplexity(eager, tokens, 512, 256)[0] == pytest.approx(float_perplexity, rel=0.01)
+    eager.kv_cache_dtype = compiled.kv_cache_dtype = kv_dtype
+    assert perplexity(eager, tokens, 512, 256)[0] == pytest.approx(float_perplexity, rel=perplexity_change)
     steps = compile_steps(CPU)
     compiled.setup_caches(1, max(map(len, prompts)) + 16)  # one cache for every prompt: one compiled graph
-    assert compiled.layers[0].attention.kv_cache.k_cache.dtype == torch.int8
+    assert compiled.layers[0].attention.kv_cache.k_cache.dtype == kv_dtype
     for prompt, row in zip(prompts, expected):
         for got in (
             generate(eager, prompt, 16).tokens[0],
             generate(compiled, prompt, 16, steps=steps).tokens[0],
             generate(eager, prompt, 16, ngram=True, speculate_k=2, round_costs=EVERY_ROUND).tokens[0],
         ):
-            assert_same_greedy(eager, prompt, got, row, INT8_KV_MARGIN)
+            assert_same_greedy(eager, prompt, got, row, margin)
 
 
 def test_prompt_lookup_gives_the_greedy_tokens():
