@@ -199,16 +199,18 @@ def test_config_validation(tmp_path):
 def test_a_half_precision_kv_cache_rounds_each_value_and_reads_it_in_the_model_dtype(device, stored, bits):
     """A float32 model's KVCache stored in bfloat16 or float16 reads back float32 values, each within half a unit in
     the last place of the stored dtype (2^-bits of its magnitude, float16's subnormal step below), and not all of them
-    exact, for listed rows too; a model with that kv_cache_dtype counts half of float32's bytes per position."""
+    exact, for a slice of rows and for listed rows; a model with that kv_cache_dtype counts half of float32's bytes
+    per position."""
     torch.manual_seed(0)
     cache = KVCache(3, 10, 2, 64, torch.float32, stored).to(device)
     k, v = torch.randn(2, 2, 6, 64).to(device), (torch.randn(2, 2, 6, 64) * 100).to(device)
     cache.update(torch.arange(6, device=device), k, v)
     assert cache.k_cache.dtype == cache.v_cache.dtype == stored and cache.k_scale is None
-    for written, read in zip((k, v), cache.read(torch.tensor([0, 1], device=device), 6)):
-        assert read.dtype == torch.float32
-        assert (read - written).abs().le(written.abs() * 2.0**-bits + 2.0**-25).all()
-        assert not torch.equal(read, written)
+    for rows in (slice(0, 2), torch.tensor([0, 1], device=device)):
+        for written, read in zip((k, v), cache.read(rows, 6)):
+            assert read.dtype == torch.float32
+            assert (read - written).abs().le(written.abs() * 2.0**-bits + 2.0**-25).all()
+            assert not torch.equal(read, written)
     model = Transformer(ModelArgs(dim=64, n_layer=2, n_head=4, intermediate_size=96, vocab_size=100, n_kv_heads=2))
     float_bytes = model.kv_bytes_per_position()
     model.kv_cache_dtype = stored

@@ -134,10 +134,10 @@ def test_bfloat16_native_and_fused_decode_agree():
         assert_same_greedy(native, prompt, got, expected, CROSS_PATH_MARGIN)
 
 
-# How far an int8 KV cache may move the default model's logits from the float32 cache's on the test prompts: the
-# measured worst (docs/usage.md) with room for other CPUs' rounding.
-# A smaller KV cache's bound on a parting logit gap (assert_same_greedy) and on the perplexity's relative change
-KV_DTYPE_BOUNDS = [(torch.int8, 2.0, 0.01), (torch.bfloat16, 0.5, 0.001)]
+# For each smaller KV cache: how far it may move a logit gap of the default model's from the float32 cache's on the
+# test prompts (assert_same_greedy's margin), and its perplexity (relative); the measured worst (docs/usage.md) with
+# room for other CPUs' rounding.
+KV_DTYPE_BOUNDS = [(torch.int8, 2.0, 0.01), (torch.bfloat16, 1.0, 0.001)]
 
 
 @pytest.mark.parametrize("kv_dtype, margin, perplexity_change", KV_DTYPE_BOUNDS)
