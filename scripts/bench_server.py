@@ -169,6 +169,7 @@ def ours_command(args, port: int, *flags: str) -> list[str]:
         "--kernels",
         args.kernels,
         *(["--kv_cache_dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []),
+        *(["--prefill_chunk", str(args.prefill_chunk)] if args.prefill_chunk is not None else []),
         *flags,
     ] + ["--compile"] * args.compile
 
@@ -323,12 +324,17 @@ def parse_args(argv=None):
         help="server.py's (default: the model's dtype); llama-server's too for float32, bfloat16 and float16 "
         "(otherwise its default, float16)",
     )
+    p.add_argument(
+        "--prefill_chunk", type=int, default=None, help="server.py's: prompt tokens per step (default: its default)"
+    )
     p.add_argument("--port", type=int, default=8765, help="server.py's; llama-server's is the next")
     p.add_argument("--ngram", action="store_true", help="server.py --ngram too, each row beside server.py's")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
         p.error("--clients, --requests and --max_tokens must be positive")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        p.error(f"--prefill_chunk must be positive, got {args.prefill_chunk}")
     if not set(args.workloads) <= {"chat", "mixed", "edit"}:
         p.error(f"--workloads: of chat, mixed and edit, got {','.join(args.workloads)}")
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
@@ -374,7 +380,8 @@ def main(argv=None):
         f"torch threads {torch.get_num_threads()}, greedy, max_tokens {args.max_tokens}"
         f"{' (ignore_eos)' if args.ignore_eos else ''}, "
         f"{max(args.clients)} slots of {args.max_seq_length}, KV cache {args.kv_cache_dtype or 'in the model dtype'} "
-        f"(llama-server: {LLAMA_CACHE_TYPES.get(args.kv_cache_dtype, 'f16')}); started in "
+        f"(llama-server: {LLAMA_CACHE_TYPES.get(args.kv_cache_dtype, 'f16')})"
+        f"{'' if args.prefill_chunk is None else f', prefill chunk {args.prefill_chunk}'}; started in "
         + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
     )
     theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"].startswith("llama-server")}
