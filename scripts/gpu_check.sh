@@ -48,10 +48,11 @@ out=$(mktemp -d)
 status=0
 if [ "$tests" -eq 1 ]; then
   echo "== the numerics tests on cuda"
-  # Compiling dominates the tests' time and runs on the CPU: with pytest-xdist, 8 workers share the GPU.
+  # Compiling dominates the tests' time and runs on the CPU: with pytest-xdist, 8 workers share the GPU. Each test is
+  # named as it ends (-v), so a run stopped by a time limit shows which ones it had not finished.
   parallel=()
   "$PYTHON" -c 'import xdist' 2>/dev/null && parallel=(-n 8)
-  TEST_DEVICE=cuda "$PYTHON" -m pytest -q -m numerics tests -p no:cacheprovider "${parallel[@]}" </dev/null |
+  TEST_DEVICE=cuda "$PYTHON" -m pytest -v -m numerics tests -p no:cacheprovider --durations=10 "${parallel[@]}" </dev/null |
     tee "$out/tests.txt"
   status=${PIPESTATUS[0]}
 fi
