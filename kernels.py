@@ -308,7 +308,11 @@ def linear(
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
     elif fuses(x, fused_rows):
         w = weight.float()
-        y = torch.stack([(row * w).sum(-1) for row in x.reshape(-1, 1, x.shape[-1]).float()])
+        rows = x.reshape(-1, 1, x.shape[-1]).float()
+        # A view that changes nothing, but inductor writes the input of as_strided to memory: the rows are computed
+        # once, where their producer (a norm, a cast, SiLU times up) would otherwise be inlined into every output's sum
+        rows = rows.as_strided(rows.shape, rows.stride())
+        y = torch.stack([(row * w).sum(-1) for row in rows])
         y = (y if scales is None else y * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
     elif kernels is not None and x.device.type == "cpu":
         y = cpu_product(x, weight, scales, kernels)
@@ -512,11 +516,8 @@ class Int4Linear(nn.Module):
         if runs_native(self, x):
             y = native_linear(self, x, self.native_packed)
             return y if self.bias is None else y + self.bias
-        if self.native_packed is not None:
-            # many rows on a CPU with bfloat16 products (runs_native): as Int8Linear's, one product with the weights
-            # widened for it
-            w = torch.ops.gpt_fast.int4_weights(self.native_packed)
-            y = cpu_product(x.to(torch.bfloat16), w, None, self.kernels).to(x.dtype)
+        if self.native_packed is not None:  # many rows on a CPU with bfloat16 products (runs_native)
+            y = widened_int4_product(self, x, self.native_packed)
             return y if self.bias is None else y + self.bias
         # fused_rows: the halves layout fuses one row only, which every step allows
         if self.halves is not None and x.numel() == self.in_features:
@@ -567,6 +568,13 @@ def native_linear(layer: nn.Module, x: Tensor, packed: Tensor, scales: Tensor | 
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
+def widened_int4_product(layer: Int4Linear, x: Tensor, packed: Tensor) -> Tensor:
+    """x [..., K] by kernels_cpu.cpp's int4 layout packed (of layer, or of layers joined by join_native) widened to
+    bfloat16 for one matrix product, as Int8Linear widens its weights for many rows -> [..., N], without bias."""
+    w = torch.ops.gpt_fast.int4_weights(packed)
+    return cpu_product(x.to(torch.bfloat16), w, None, layer.kernels).to(x.dtype)
+
+
 def join_native(first: nn.Module, second: nn.Module):
     """For two layers that read the same input (a gated MLP's gate and up projections), kernels_cpu.cpp's layouts of
     both as one (first.joined_packed, and first.joined_scales for int8), their outputs side by side; the layers'
@@ -587,9 +595,15 @@ def join_native(first: nn.Module, second: nn.Module):
 
 
 def pair_linear(first: nn.Module, second: nn.Module, x: Tensor, fused_rows: int = 1) -> tuple[Tensor, Tensor]:
-    """first(x), second(x): in one kernels_cpu.cpp call where join_native joined them and they run it (runs_native)."""
+    """first(x), second(x): in one kernels_cpu.cpp call where join_native joined them and they run it (runs_native),
+    and in one widened product where joined int4 layers widen their weights instead. Not each int4 layer widening its
+    own half: the halves are views of one tensor, which a compiled layer (model.TransformerBlock) may not take as two
+    inputs."""
     joined = getattr(first, "joined_packed", None)
     if joined is not None and runs_native(first, x):
         y = native_linear(first, x, joined, getattr(first, "joined_scales", None))
-        return y.split([first.out_features, second.out_features], dim=-1)
-    return first(x, fused_rows), second(x, fused_rows)
+    elif joined is not None and isinstance(first, Int4Linear):
+        y = widened_int4_product(first, x, joined)
+    else:
+        return first(x, fused_rows), second(x, fused_rows)
+    return y.split([first.out_features, second.out_features], dim=-1)

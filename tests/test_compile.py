@@ -10,6 +10,8 @@ import torch._dynamo
 from conftest import assert_same_greedy
 from decode import compile_steps, plain_steps, token_steps
 from generate import generate, load_model
+from kernels import Kernels, native_isa, native_kernels
+from quantize import quantize_checkpoint
 from sampling import SamplingParams, sampler_state
 
 pytestmark = pytest.mark.numerics
@@ -120,3 +122,22 @@ def test_compiled_prefill_equals_eager_for_any_prompt_length(tiny_checkpoint):
             prompts, generate(model, prompts, 1, steps=steps).tokens, generate(model, prompts, 1).tokens
         ):
             assert_same_greedy(model, prompt, got, expected, MARGIN)
+
+
+@pytest.mark.skipif(not native_kernels(), reason="kernels_cpu.cpp is not built here")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_compiled_prefill_of_widened_quantized_layers_equals_eager(tiny_checkpoint, mode):
+    """Where the CPU has bfloat16 matrix products (AVX512-BF16, AMX), an int8/int4 prefill widens the weights for one
+    bfloat16 product, the gate and up projections' joined layout at once: compiled as eager, with eager's first tokens
+    (the widened products round activations to bfloat16, so a compiled graph's other float32 rounding may move a
+    logit by ~1e-3, not by what a wrong product moves it)."""
+    path = quantize_checkpoint(tiny_checkpoint / "model.pth", mode, 32)
+    widening = Kernels(int8_native=native_isa(), int4_native=native_isa(), gemm_dtype=torch.bfloat16, widen_rows=4)
+    model = load_model(path, kernels=widening)
+    assert model.layers[0].feed_forward.w1.joined_packed is not None
+    torch._dynamo.reset()
+    steps = compile_steps(torch.device("cpu"), decode=False, prefill=True)
+    for prompt, got, expected in zip(
+        PROMPTS, generate(model, PROMPTS, 1, steps=steps).tokens, generate(model, PROMPTS, 1).tokens
+    ):
+        assert_same_greedy(model, prompt, got, expected, 0.05)

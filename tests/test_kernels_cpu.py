@@ -409,7 +409,9 @@ def test_products_of_many_rows_read_the_weights_copy_in_onednn_layout(rows):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this build of torch")
 def test_a_model_for_batched_steps_keeps_onednn_copies_of_its_float32_weights():
     """Kernels.choose keeps the copies where the run's steps reach PACKED_ROWS rows and the float32 products run
-    oneDNN; with them, the tied output's among them, a batch's logits are those of the model without them."""
+    oneDNN; with them, the tied output's among them, a batch's logits are those of the model without them (on an Intel
+    CPU that one runs MKL: float32 sums in another order, ~1e-6 of the logits' norm after 30 layers, where one layer
+    reading another's copy moves them by ~0.1)."""
     chosen = [kernels.Kernels.choose(CPU, True, rows=rows).packed_float for rows in (1, 7, 8, 64)]
     onednn = kernels.Kernels.choose(CPU, True).float_gemm == "onednn"
     assert chosen == ([False, False, True, True] if onednn else [False] * 4)
@@ -423,7 +425,7 @@ def test_a_model_for_batched_steps_keeps_onednn_copies_of_its_float32_weights():
         for m in (plain, packed):
             m.setup_caches(16, 64)
         steps = [m(x, torch.arange(12), fused_rows=8) for m in (plain, packed)]
-    assert torch.allclose(steps[0], steps[1], rtol=1e-4, atol=1e-4)
+    assert ((steps[0] - steps[1]).norm() / steps[1].norm()).item() < 1e-4
 
 
 def test_kernels_record_the_float32_product():
