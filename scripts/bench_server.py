@@ -44,7 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmark import DEFAULT_GGUF, LLAMA_CPP_TYPES, gguf_file_type, gguf_variant  # noqa: E402
+from benchmark import DEFAULT_GGUF, LLAMA_CPP_TYPES, cpu_has_amx, gguf_file_type, gguf_variant  # noqa: E402
 from chat import encode_conversation  # noqa: E402
 from checkpoint import (  # noqa: E402
     DEFAULT_CHECKPOINT,
@@ -204,6 +204,9 @@ def llama_server_command(args, port: int, gguf: Path) -> list[str]:
         "--no-webui",
         "--log-disable",
         *(["-ctk", cache, "-ctv", cache] if (cache := LLAMA_CACHE_TYPES.get(args.kv_cache_dtype)) else []),
+        # as benchmark.py's llama.cpp: its AMX weight buffers crash on such CPUs (llama.cpp issue 20824; llama-server
+        # dies of an illegal instruction serving Q8_0), so plain ones
+        *(["--no-repack"] if cpu_has_amx() else []),
     ]
 
 
