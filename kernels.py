@@ -212,8 +212,8 @@ class Kernels:
         where the run's decode steps compute PACKED_ROWS rows or more (rows: a batch, or a speculative round's
         verification), the float32 weights are kept a second time in oneDNN's own layout for them (not with "fused"
         or "library": it costs their memory again). Where the model computes in bfloat16 or float16 (half), its
-        one-row products run kernels_cpu.cpp's half_linear on AVX2 CPUs (half_native): the fused product widens the
-        activation again for every output there; on AVX-512 the fused one keeps up with llama.cpp.
+        one-row products run kernels_cpu.cpp's half_linear on AVX2 CPUs (half_native), which reads those weights faster
+        than the fused product there; on AVX-512 the fused one is the faster.
         docs/performance.md has the figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
