@@ -25,8 +25,8 @@ with --max_batch_size the most clients. Both servers are up together, each idle 
 each row runs on server.py and then on llama-server, so that the host's drift over the minutes of a whole set of rows
 does not enter their ratio. One request warms up each server first; each server's start time is printed
 (server.py --compile compiles its decode graphs before it serves). The single-stream check: four of the questions
-one at a time, each through generate.py's compiled decode (Stream, in this process) and then through server.py
-while it is up and idle, just before the rows: their decode rates over the four.
+one at a time, each through generate.py's compiled decode (Stream, in this process), through server.py (up and idle)
+twice, and through generate.py again, just before the rows: their decode rates over the four.
 """
 
 import argparse
@@ -276,8 +276,8 @@ def start_server(command: list[str], port: int, name: str, processes: list[subpr
 
 def single_stream(args, url: str) -> dict:
     """generate.py's compiled (or eager) decode and server.py's one stream, tokens/s over the same chat questions:
-    each question through generate.py and then through the idle server, back to back, as speeds drift with the
-    host."""
+    each question through both back to back, in the order generate.py, server, server, generate.py (the server
+    idle meanwhile), so that a drift of the host's speed over the pair weighs on both alike."""
     cpu = torch.device("cpu")
     model, tokenizer, _ = load_models(
         args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels, kv_cache_dtype=args.kv_cache_dtype
@@ -289,12 +289,18 @@ def single_stream(args, url: str) -> dict:
     Stream(model, tokenizer, "warm-up", 4, steps=steps).run()
     tokens = seconds = 0.0
     served = []
+
+    def generated(ids):
+        nonlocal tokens, seconds
+        result = Stream(model, tokenizer, ids, args.max_tokens, steps=steps).run()
+        tokens += len(result.raw_tokens[0]) - 1
+        seconds += result.decode_time_s
+
     with httpx.Client(timeout=600) as http:
         for question, ids in zip(QUESTIONS, prompts):
-            result = Stream(model, tokenizer, ids, args.max_tokens, steps=steps).run()
-            tokens += len(result.raw_tokens[0]) - 1
-            seconds += result.decode_time_s
-            served.append(one_request(http, url, question, args.max_tokens, args.ignore_eos))
+            generated(ids)
+            served += [one_request(http, url, question, args.max_tokens, args.ignore_eos) for _ in range(2)]
+            generated(ids)
     server_rate = sum(a.tokens - 1 for a in served) / sum(a.span for a in served)
     return {"generate_decode_tokens_per_s": tokens / seconds, "server_decode_tokens_per_s": server_rate}
 
@@ -404,8 +410,8 @@ def main(argv=None):
         )
     ours, theirs = one_stream["server_decode_tokens_per_s"], one_stream["generate_decode_tokens_per_s"]
     print(
-        f"single stream (4 questions, each through generate.py and then the idle server.py): server.py decodes "
-        f"{ours:.1f} tok/s, generate.py {theirs:.1f} tok/s: {ours / theirs:.2f}x"
+        f"single stream (4 questions, each through generate.py, the idle server.py twice and generate.py): server.py "
+        f"decodes {ours:.1f} tok/s, generate.py {theirs:.1f} tok/s: {ours / theirs:.2f}x"
     )
 
 
