@@ -26,8 +26,10 @@ from torch import Tensor
 # From this many rows, a CPU widens half-precision weights (and int8 ones off kernels_cpu.cpp) for a matrix product
 GEMM_ROWS = 16
 # From this many rows, a CPU with bfloat16 matrix products (AVX512-BF16 without AMX) widens int8/int4 weights to
-# bfloat16 for one product instead of running kernels_cpu.cpp (Kernels.widen_rows; docs/performance.md)
+# bfloat16 for one product instead of running kernels_cpu.cpp (Kernels.widen_rows; docs/performance.md); with AMX,
+# whose products of the widened weights are faster, from AMX_WIDEN_ROWS.
 WIDEN_ROWS = 80
+AMX_WIDEN_ROWS = 48
 # From this many rows, a float32 product reads its weight's copy in oneDNN's blocked layout where the kernels keep one
 # (Kernels.packed_float, onednn_layout): given the plain weight, oneDNN reorders it into that layout at every call,
 # which at these rows costs about as much as the product; fewer rows fuse (compiled steps) or read the plain weight.
@@ -206,7 +208,7 @@ class Kernels:
         on AVX2 far faster than the other paths, on AVX-512 level with or faster than the fused one. Where the file
         cannot be built: "fused" where AVX-512 converts bytes to floats fast enough, ATen's int8/int4 kernels on
         AVX2. Widening int8/int4 weights to bfloat16 for a matrix product pays off only with native bfloat16
-        (AVX512-BF16, AMX), and there from WIDEN_ROWS rows (AMX: GEMM_ROWS, not measured): without it, matrix
+        (AVX512-BF16, AMX), and there from WIDEN_ROWS rows (AMX: AMX_WIDEN_ROWS): without it, matrix
         products emulate bfloat16 and lose to float32, so bfloat16 and float16 weights too are widened to float32
         there for products of many rows. float32 products that do not fuse run oneDNN on CPUs other than Intel's, and
         where the run's decode steps compute PACKED_ROWS rows or more (rows: a batch, or a speculative round's
@@ -222,7 +224,7 @@ class Kernels:
         # MKL, which F.linear runs for float32, is Intel's: on the AMD CPUs measured oneDNN's product is faster.
         onednn = "GenuineIntel" not in cpuinfo_words() and torch.backends.mkldnn.is_available()
         gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
-        widen_rows = (GEMM_ROWS if "amx_bf16" in cpuinfo_words() else WIDEN_ROWS) if native_bf16 else None
+        widen_rows = (AMX_WIDEN_ROWS if "amx_bf16" in cpuinfo_words() else WIDEN_ROWS) if native_bf16 else None
         common = dict(float_gemm="onednn" if onednn else "blas", gemm_dtype=gemm_dtype, widen_rows=widen_rows)
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, **common)
