@@ -12,6 +12,7 @@ traces through), all but those of many rows where the CPU has bfloat16 matrix pr
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -343,17 +344,41 @@ def runs_half_native(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: 
 def cpu_product(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kernels") -> Tensor:
     """x @ weight.T (times scales) on a CPU, in x's dtype. Computed in x's dtype where the CPU multiplies it natively
     (float32, or kernels.gemm_dtype) or for fewer than GEMM_ROWS rows (widening the weight would cost more than the
-    product), else in float32; float32 by oneDNN where kernels.float_gemm says so."""
+    product), else in float32; float32 by oneDNN where kernels.float_gemm says so. A weight of another dtype is
+    widened for the call, in blocks of channels (widened_blocks)."""
     x2d = x.reshape(-1, x.shape[-1])
     native = x.dtype in (torch.float32, kernels.gemm_dtype)
     dtype = x.dtype if native or x2d.shape[0] < GEMM_ROWS else torch.float32
-    w = weight.to(dtype)
-    if dtype == torch.float32 and kernels.float_gemm == "onednn":
-        y = onednn_linear(x2d.to(dtype), w)
+    x2d = x2d.to(dtype)
+    if weight.dtype == dtype:
+        y = float_product(x2d, weight, kernels)
     else:
-        y = F.linear(x2d.to(dtype), w)
+        blocks = weight.split(widened_blocks(weight.shape[0], weight.shape[1] * dtype.itemsize))
+        y = joined_outputs([float_product(x2d, block.to(dtype), kernels) for block in blocks])
     y = y if scales is None else y * scales.to(dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def float_product(x: Tensor, weight: Tensor, kernels: "Kernels") -> Tensor:
+    """x [M, K] @ weight [N, K].T of one dtype: float32 by oneDNN where kernels.float_gemm says so, else F.linear."""
+    if weight.dtype == torch.float32 and kernels.float_gemm == "onednn":
+        return onednn_linear(x, weight)
+    return F.linear(x, weight)
+
+
+def widened_blocks(units: int, unit_bytes: int) -> list[int]:
+    """The blocks, in units (channels, or groups of them) of unit_bytes each once widened, in which a product widens
+    its weight and multiplies: the fewest of about equal size within KEPT_BLOCK_BYTES. malloc serves a block that
+    size from memory freed by the block before (keep_freed_memory); a larger copy is mapped afresh at every call and
+    pays a page fault per 4 KiB, more than the widening itself."""
+    most = max(1, KEPT_BLOCK_BYTES // unit_bytes)  # units a block may hold
+    per_block = math.ceil(units / math.ceil(units / most))
+    return [min(per_block, units - start) for start in range(0, units, per_block)]
+
+
+def joined_outputs(outputs: list[Tensor]) -> Tensor:
+    """Products' outputs [M, N_i] of consecutive blocks of channels -> [M, sum N_i] (one as it is)."""
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
 
 
 def onednn_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -572,9 +597,12 @@ def native_linear(layer: nn.Module, x: Tensor, packed: Tensor, scales: Tensor | 
 
 def widened_int4_product(layer: Int4Linear, x: Tensor, packed: Tensor) -> Tensor:
     """x [..., K] by kernels_cpu.cpp's int4 layout packed (of layer, or of layers joined by join_native) widened to
-    bfloat16 for one matrix product, as Int8Linear widens its weights for many rows -> [..., N], without bias."""
-    w = torch.ops.gpt_fast.int4_weights(packed)
-    return cpu_product(x.to(torch.bfloat16), w, None, layer.kernels).to(x.dtype)
+    bfloat16 for matrix products, a block of channels at a time (widened_blocks), as Int8Linear widens its weights for
+    many rows -> [..., N], without bias."""
+    rows = x.to(torch.bfloat16)
+    blocks = packed.split(widened_blocks(len(packed), NATIVE_GROUP * packed.shape[1] * 64 * torch.bfloat16.itemsize))
+    ys = [cpu_product(rows, torch.ops.gpt_fast.int4_weights(b), None, layer.kernels) for b in blocks]
+    return joined_outputs(ys).to(x.dtype)
 
 
 def join_native(first: nn.Module, second: nn.Module):

@@ -271,6 +271,41 @@ def test_int4_layer_widens_its_weights_for_many_rows(ops):
     assert torch.equal(layer(fewer), ops.int4_linear(fewer, layer.native_packed, isa))
 
 
+@pytest.mark.parametrize(
+    "units, unit_bytes", [(17920, 3072), (8960, 3072), (2240, 12288), (7, 5 << 20), (5, 22 << 20), (3, 40 << 20)]
+)
+def test_widened_blocks_are_the_fewest_within_the_kept_size(units, unit_bytes):
+    """widened_blocks: every unit once, in blocks of whole units each within KEPT_BLOCK_BYTES (a unit alone larger
+    goes alone), so few that one block fewer could not hold them all, of equal size but for a smaller last one."""
+    blocks = kernels.widened_blocks(units, unit_bytes)
+    most = kernels.KEPT_BLOCK_BYTES // unit_bytes
+    assert sum(blocks) == units
+    assert all(b * unit_bytes <= kernels.KEPT_BLOCK_BYTES for b in blocks) if most else blocks == [1] * units
+    assert (len(blocks) - 1) * most < units
+    assert len(set(blocks[:-1])) <= 1 and blocks[-1] <= blocks[0]
+
+
+def test_products_widen_their_weights_a_block_of_channels_at_a_time(ops, monkeypatch):
+    """A weight whose widened copy exceeds KEPT_BLOCK_BYTES (here made small) is widened and multiplied a block of
+    channels at a time: int8 weights widened to float32 give the float64 product within float32 rounding, to bfloat16
+    within bfloat16 rounding; int4 weights the one product of all of them widened, within float32 rounding."""
+    monkeypatch.setattr(kernels, "KEPT_BLOCK_BYTES", 20 << 10)
+    layer = int8_layer(100, 192, 8, native=False)
+    x = torch.randn(16, 192)
+    reference_y = x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T
+    assert len(kernels.widened_blocks(100, 192 * 4)) == 4
+    for dtype, bound in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        y = kernels.cpu_product(x.to(dtype), layer.weight, layer.scales, kernels.Kernels(gemm_dtype=dtype))
+        assert y.shape == (16, 100) and ((y.double() - reference_y).norm() / reference_y.norm()).item() < bound
+    layer = int4_layer(96, 256, 9)
+    layer.kernels = kernels.Kernels(int4_native=kernels.native_isa(), gemm_dtype=torch.bfloat16, widen_rows=16)
+    assert len(kernels.widened_blocks(24, 4 * 256 * 2)) == 3
+    x = torch.randn(16, 256)
+    whole = torch.nn.functional.linear(x.bfloat16(), ops.int4_weights(layer.native_packed))
+    y = layer(x)
+    assert torch.allclose(y, whole.float(), rtol=1e-5, atol=1e-5 * whole.float().abs().max().item())
+
+
 @pytest.mark.parametrize("make", [int8_layer, int4_layer], ids=["int8", "int4"])
 def test_joined_pair_equals_each_layer(ops, make, monkeypatch):
     """join_native: a gate and up projection in one kernels_cpu.cpp call give each layer's own outputs bitwise (a
@@ -456,6 +491,34 @@ for _ in range(4):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(*faults)
 """
+
+
+PRODUCT_FAULTS = """
+import resource, torch, kernels
+kernels.keep_freed_memory()
+torch.set_num_threads(2)
+# int8 weights whose bfloat16 copy is 2 MiB over KEPT_BLOCK_BYTES, times 64 rows
+n = (kernels.KEPT_BLOCK_BYTES + (2 << 20)) // (2 * 2048)
+weight, scales = torch.randint(-127, 128, (n, 2048), dtype=torch.int8), torch.rand(n)
+x, faults = torch.randn(64, 2048, dtype=torch.bfloat16), []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    kernels.cpu_product(x, weight, scales, kernels.Kernels(gemm_dtype=torch.bfloat16))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallopt"), reason="the C library has no mallopt")
+def test_a_product_whose_widened_weights_exceed_the_kept_size_reuses_memory():
+    """A weight whose widened copy is larger than malloc keeps (KEPT_BLOCK_BYTES: a large model's gate and up
+    projections, widened for a prefill) is widened in blocks within it, which reuse the memory the blocks before
+    freed: after the first products, next to no page faults, where one copy of it would be mapped afresh at every
+    product (some 8,700 page faults each here). The first few products settle the heap."""
+    run = subprocess.run([sys.executable, "-c", PRODUCT_FAULTS], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    faults = [int(n) for n in run.stdout.split()]
+    assert max(faults[4:]) < 1000, faults
 
 
 @pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallopt"), reason="the C library has no mallopt")
