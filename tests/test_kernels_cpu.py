@@ -497,13 +497,13 @@ PRODUCT_FAULTS = """
 import resource, torch, kernels
 kernels.keep_freed_memory()
 torch.set_num_threads(2)
-# int8 weights whose bfloat16 copy is 2 MiB over KEPT_BLOCK_BYTES, times 64 rows
-n = (kernels.KEPT_BLOCK_BYTES + (2 << 20)) // (2 * 2048)
+# int8 weights whose float32 copy is 2 MiB over KEPT_BLOCK_BYTES, times 64 rows
+n = (kernels.KEPT_BLOCK_BYTES + (2 << 20)) // (4 * 2048)
 weight, scales = torch.randint(-127, 128, (n, 2048), dtype=torch.int8), torch.rand(n)
-x, faults = torch.randn(64, 2048, dtype=torch.bfloat16), []
+x, faults = torch.randn(64, 2048), []
 for _ in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    kernels.cpu_product(x, weight, scales, kernels.Kernels(gemm_dtype=torch.bfloat16))
+    kernels.cpu_product(x, weight, scales, kernels.Kernels())
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(*faults)
 """
