@@ -353,8 +353,7 @@ def cpu_product(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kern
     if weight.dtype == dtype:
         y = float_product(x2d, weight, kernels)
     else:
-        blocks = weight.split(widened_blocks(weight.shape[0], weight.shape[1] * dtype.itemsize))
-        y = joined_outputs([float_product(x2d, block.to(dtype), kernels) for block in blocks])
+        y = widened_product(x2d, weight, weight.shape[1] * dtype.itemsize, lambda w: w.to(dtype), kernels)
     y = y if scales is None else y * scales.to(dtype)
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
@@ -376,9 +375,12 @@ def widened_blocks(units: int, unit_bytes: int) -> list[int]:
     return [min(per_block, units - start) for start in range(0, units, per_block)]
 
 
-def joined_outputs(outputs: list[Tensor]) -> Tensor:
-    """Products' outputs [M, N_i] of consecutive blocks of channels -> [M, sum N_i] (one as it is)."""
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+def widened_product(x: Tensor, source: Tensor, unit_bytes: int, widen, kernels: "Kernels") -> Tensor:
+    """x [M, K] @ widen(source).T -> [M, N]: source's units (dim 0: channels, or groups of them) widened to x's dtype
+    (unit_bytes each) and multiplied a block at a time (widened_blocks), the outputs side by side."""
+    blocks = source.split(widened_blocks(len(source), unit_bytes))
+    ys = [float_product(x, widen(block), kernels) for block in blocks]
+    return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
 
 
 def onednn_product(x: Tensor, weight: Tensor) -> Tensor:
@@ -599,10 +601,10 @@ def widened_int4_product(layer: Int4Linear, x: Tensor, packed: Tensor) -> Tensor
     """x [..., K] by kernels_cpu.cpp's int4 layout packed (of layer, or of layers joined by join_native) widened to
     bfloat16 for matrix products, a block of channels at a time (widened_blocks), as Int8Linear widens its weights for
     many rows -> [..., N], without bias."""
-    rows = x.to(torch.bfloat16)
-    blocks = packed.split(widened_blocks(len(packed), NATIVE_GROUP * packed.shape[1] * 64 * torch.bfloat16.itemsize))
-    ys = [cpu_product(rows, torch.ops.gpt_fast.int4_weights(b), None, layer.kernels) for b in blocks]
-    return joined_outputs(ys).to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    unit_bytes = NATIVE_GROUP * packed.shape[1] * 64 * torch.bfloat16.itemsize
+    y = widened_product(rows, packed, unit_bytes, torch.ops.gpt_fast.int4_weights, layer.kernels)
+    return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
 def join_native(first: nn.Module, second: nn.Module):
