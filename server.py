@@ -352,7 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--kv_cache_memory",
         type=float,
         default=None,
-        help=f"GiB for the KV caches (default: {KV_MEMORY_SHARE:.0%} of the memory free once the model is loaded)",
+        # argparse formats help strings with %: the percent sign doubled
+        help=f"GiB for the KV caches (default: {KV_MEMORY_SHARE:.0%}% of the memory free once the model is loaded)",
     )
     arg(
         "--max_batch_size",

@@ -1,6 +1,7 @@
 """generate.py as a user runs it: JSON output, batches from a file, streaming, a conversation on a pipe (bad input:
 test_bad_inputs.py), the compiled code of the CPU capability in force."""
 
+import importlib
 import json
 import os
 import shutil
@@ -25,6 +26,27 @@ def run_cli(*args, stdin=None, env=None):
     result = subprocess.run(command, input=(stdin or "").encode(), capture_output=True, timeout=300, env=env)
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
     return result
+
+
+# Every script with a command line: its parse_args(argv)
+CLI_MODULES = sorted(
+    path.stem for path in [*ROOT.glob("*.py"), *ROOT.glob("scripts/*.py")] if "\ndef parse_args(" in path.read_text()
+)
+
+
+def test_every_command_line_is_listed():
+    assert {"generate", "quantize", "eval", "server", "benchmark", "bench_server"} <= set(CLI_MODULES), CLI_MODULES
+
+
+@pytest.mark.parametrize("name", CLI_MODULES)
+def test_help_prints_every_flag(name, capsys):
+    """--help prints the usage and each flag's help and exits 0. argparse formats help strings with %, so a literal
+    percent sign that is not doubled ends --help in a traceback."""
+    parse_args = importlib.import_module(name).parse_args
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage:") and "--help" in out
 
 
 def test_json_output_equals_python_api(tiny_checkpoint):
