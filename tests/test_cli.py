@@ -1,5 +1,5 @@
 """generate.py as a user runs it: JSON output, batches from a file, streaming, a conversation on a pipe (bad input:
-test_bad_inputs.py), the compiled code of the CPU capability in force."""
+test_bad_inputs.py), the compiled code of the CPU capability in force; every script's --help."""
 
 import importlib
 import json
