@@ -215,8 +215,8 @@ class Kernels:
         where the run's decode steps compute PACKED_ROWS rows or more (rows: a batch, or a speculative round's
         verification), the float32 weights are kept a second time in oneDNN's own layout for them (not with "fused"
         or "library": it costs their memory again). Where the model computes in bfloat16 or float16 (half), its
-        one-row products run kernels_cpu.cpp's half_linear on AVX2 CPUs (half_native), which reads those weights faster
-        than the fused product there; on AVX-512 the fused one is the faster.
+        one-row products run kernels_cpu.cpp's half_linear (half_native), which reads those weights faster than the
+        fused product.
         docs/performance.md has the figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
@@ -237,7 +237,7 @@ class Kernels:
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
             isas = dict(int8_native=native_isa(), int4_native=native_isa(), half_native=half)
             return cls(fused, "library", **isas, **common)
-        common["half_native"] = half and not avx512 and device.type == "cpu" and native_kernels()
+        common["half_native"] = half and device.type == "cpu" and native_kernels()
         if quantized and device.type == "cpu" and native_kernels():
             return cls(fused, quant, int8_native=native_isa(), int4_native=native_isa(), **common)
         return cls(fused, quant, **common)
@@ -327,7 +327,7 @@ def linear(
 
 
 def runs_half_native(x: Tensor, weight: Tensor, scales: Tensor | None, kernels: "Kernels") -> bool:
-    """Whether kernels_cpu.cpp's half_linear computes x @ weight.T: where the kernels say so (AVX2 CPUs), for one row
+    """Whether kernels_cpu.cpp's half_linear computes x @ weight.T: where the kernels say so (half_native), for one row
     of x (a decode step of one sequence, a prefill's last position) on a CPU and bfloat16/float16 weights [N, K] with K
     a multiple of 8. Its rows each read the weights again (from the cache), so a few rows stay with the fused
     product."""

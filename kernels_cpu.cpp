@@ -1,6 +1,6 @@
 // int8 and int4 linear layers on x86 CPUs by integer dot products, registered as the PyTorch operators
 // gpt_fast::int8_linear and gpt_fast::int4_linear; gpt_fast::int4_weights, which widens int4 weights to bfloat16; and
-// gpt_fast::half_linear, few-row products of bfloat16 / float16 weights on AVX2 CPUs (see its section).
+// gpt_fast::half_linear, few-row products of bfloat16 / float16 weights (AVX2 code, see its section).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for M rows of activations x (decode steps, batches, speculative verification;
 // prompts where the CPU lacks bfloat16 matrix products). As llama.cpp does for Q8_0 and Q4_1, the activations are
@@ -513,11 +513,12 @@ at::Tensor int4_weights(const at::Tensor& packed) {
 // ---------------------------------------------------------------- half-precision weights
 
 // bfloat16 or float16 weights [N, K] as they are (no layout of our own) times x [M, K] float32 -> [M, N] float32, for
-// products of a few rows on AVX2 CPUs (kernels.runs_half_native). A compiled step's fused product (kernels.linear)
-// widens the activation again for each output's sum; here x is float32 once and each weight is widened once in
-// registers. Channels are taken one after the other, each row of weights read start to end: the whole matrix is one
-// sequential stream a thread, which the hardware prefetchers follow (interleaving a few channels' rows made as many
-// short streams, read more slowly).
+// products of a few rows (kernels.runs_half_native). A compiled step's fused product (kernels.linear) widens the
+// activation again for each output's sum; here x is float32 once and each weight is widened once in registers.
+// Channels are taken one after the other, each row of weights read start to end: the whole matrix is one sequential
+// stream a thread (interleaving a few channels' rows made as many short streams, read more slowly), whose lines are
+// asked for ahead of use (prefetch_ahead): widening takes instructions enough per line that the loads in flight alone
+// do not keep the memory busy, which the fused product, without prefetches, cannot help.
 
 // 8 weights widened to float32: bfloat16 by a shift, float16 by F16C.
 AVX2 inline __m256 widen8(const c10::BFloat16* w) {
@@ -535,8 +536,10 @@ AVX2 float row_dot(const T* w, const float* x, int64_t K) {
   __m256 acc[4];
   for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32)
+  for (; k + 32 <= K; k += 32) {
+    prefetch_ahead(w + k, 32 * sizeof(T));
     for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(widen8(w + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+  }
   for (; k < K; k += 8) acc[0] = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), acc[0]);
   return sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }

@@ -119,7 +119,7 @@ def test_float32_eager_and_compiled_agree():
 
 @pytest.mark.skipif(not native_kernels() or "avx2" not in native_isas(), reason="half_linear is AVX2 code")
 def test_bfloat16_native_and_fused_decode_agree():
-    """bfloat16 weights' one-row products by kernels_cpu.cpp (half_linear, eager; what AVX2 CPUs pick) and by the
+    """bfloat16 weights' one-row products by kernels_cpu.cpp (half_linear, eager; what Kernels.choose picks) and by the
     compiled fused product: the same greedy tokens on the test prompts, except at near-ties (the float32 sums, added
     in another order, part where a layer's output rounds to bfloat16)."""
     tokenizer = load_tokenizer(SMOLLM2_DIR)
