@@ -477,6 +477,16 @@ def test_kernels_record_the_float32_product():
     assert chosen["float_gemm"] == ("blas" if intel or not torch.backends.mkldnn.is_available() else "onednn")
 
 
+def test_half_precision_one_row_products_run_half_linear_wherever_it_builds():
+    """A bfloat16/float16 model's one-row products take half_linear on every CPU where kernels_cpu.cpp builds, eager
+    and compiled (its prefetched reads beat the fused product's on AVX-512 too: docs/performance.md); float32 and
+    --kernels fused stay off it."""
+    for compiled in (False, True):
+        assert kernels.Kernels.choose(CPU, compiled, half=True).describe()["half_native"] == kernels.native_kernels()
+        assert not kernels.Kernels.choose(CPU, compiled).half_native
+        assert not kernels.Kernels.choose(CPU, compiled, "fused", half=True).half_native
+
+
 PREFILL_FAULTS = """
 import resource, sys, torch
 from generate import load_model
