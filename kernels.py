@@ -67,6 +67,11 @@ def native_isas() -> list[str]:
     return [isa for isa in NATIVE_ISAS if allowed[isa]]
 
 
+def runs_avx2() -> bool:
+    """Whether this process may run kernels_cpu.cpp's AVX2 code, which half_linear is (it has no scalar path)."""
+    return "avx2" in native_isas()
+
+
 def native_isa() -> str:
     """The best path of kernels_cpu.cpp this process may run."""
     return native_isas()[-1]
@@ -235,9 +240,9 @@ class Kernels:
         if matvec == "native":
             if device.type != "cpu" or not native_kernels():
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
-            isas = dict(int8_native=native_isa(), int4_native=native_isa(), half_native=half)
+            isas = dict(int8_native=native_isa(), int4_native=native_isa(), half_native=half and runs_avx2())
             return cls(fused, "library", **isas, **common)
-        common["half_native"] = half and device.type == "cpu" and native_kernels()
+        common["half_native"] = half and device.type == "cpu" and runs_avx2() and native_kernels()
         if quantized and device.type == "cpu" and native_kernels():
             return cls(fused, quant, int8_native=native_isa(), int4_native=native_isa(), **common)
         return cls(fused, quant, **common)

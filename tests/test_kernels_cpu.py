@@ -478,13 +478,18 @@ def test_kernels_record_the_float32_product():
 
 
 def test_half_precision_one_row_products_run_half_linear_wherever_it_builds():
-    """A bfloat16/float16 model's one-row products take half_linear on every CPU where kernels_cpu.cpp builds, eager
-    and compiled (its prefetched reads beat the fused product's on AVX-512 too: docs/performance.md); float32 and
-    --kernels fused stay off it."""
+    """A bfloat16/float16 model's one-row products take half_linear wherever kernels_cpu.cpp builds and its AVX2 code
+    may run, eager and compiled (its prefetched reads beat the fused product's on AVX-512 too: docs/performance.md);
+    float32 and --kernels fused stay off it, and so does a process held below AVX2 (half_linear has no scalar path)."""
     for compiled in (False, True):
-        assert kernels.Kernels.choose(CPU, compiled, half=True).describe()["half_native"] == kernels.native_kernels()
+        wherever = kernels.native_kernels() and kernels.runs_avx2()
+        assert kernels.Kernels.choose(CPU, compiled, half=True).describe()["half_native"] == wherever
         assert not kernels.Kernels.choose(CPU, compiled).half_native
         assert not kernels.Kernels.choose(CPU, compiled, "fused", half=True).half_native
+    choice = "import torch, kernels; print(kernels.Kernels.choose(torch.device('cpu'), True, half=True).half_native)"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    run = subprocess.run([sys.executable, "-c", choice], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.split()[-1:] == ["False"], run.stderr
 
 
 PREFILL_FAULTS = """
@@ -511,7 +516,7 @@ torch.set_num_threads(2)
 n = (kernels.KEPT_BLOCK_BYTES + (2 << 20)) // (4 * 2048)
 weight, scales = torch.randint(-127, 128, (n, 2048), dtype=torch.int8), torch.rand(n)
 x, faults = torch.randn(64, 2048), []
-for _ in range(8):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     kernels.cpu_product(x, weight, scales, kernels.Kernels())
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -524,11 +529,12 @@ def test_a_product_whose_widened_weights_exceed_the_kept_size_reuses_memory():
     """A weight whose widened copy is larger than malloc keeps (KEPT_BLOCK_BYTES: a large model's gate and up
     projections, widened for a prefill) is widened in blocks within it, which reuse the memory the blocks before
     freed: after the first products, next to no page faults, where one copy of it would be mapped afresh at every
-    product (some 8,700 page faults each here). The first few products settle the heap."""
+    product (some 8,700 page faults each here). The first products settle the heap, how many of them varies from run
+    to run (glibc keeps a heap per thread), so the last 4 of 12 are checked."""
     run = subprocess.run([sys.executable, "-c", PRODUCT_FAULTS], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     faults = [int(n) for n in run.stdout.split()]
-    assert max(faults[4:]) < 1000, faults
+    assert max(faults[8:]) < 1000, faults
 
 
 @pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallopt"), reason="the C library has no mallopt")
