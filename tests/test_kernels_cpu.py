@@ -376,7 +376,7 @@ def test_without_a_compiler_the_pytorch_paths_run(tiny_checkpoint, tmp_path):
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
 
 
-@pytest.mark.skipif("avx2" not in kernels.native_isas(), reason="half_linear is kernels_cpu.cpp's AVX2 code")
+@pytest.mark.skipif(not kernels.runs_avx2(), reason="half_linear is kernels_cpu.cpp's AVX2 code")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_product_within_float32_rounding(ops, dtype):
     """half_linear: bfloat16 / float16 weights (widened exactly) times float32 rows, within float32 rounding of the
@@ -481,8 +481,8 @@ def test_half_precision_one_row_products_run_half_linear_wherever_it_builds():
     """A bfloat16/float16 model's one-row products take half_linear wherever kernels_cpu.cpp builds and its AVX2 code
     may run, eager and compiled (its prefetched reads beat the fused product's on AVX-512 too: docs/performance.md);
     float32 and --kernels fused stay off it, and so does a process held below AVX2 (half_linear has no scalar path)."""
+    wherever = kernels.native_kernels() and kernels.runs_avx2()
     for compiled in (False, True):
-        wherever = kernels.native_kernels() and kernels.runs_avx2()
         assert kernels.Kernels.choose(CPU, compiled, half=True).describe()["half_native"] == wherever
         assert not kernels.Kernels.choose(CPU, compiled).half_native
         assert not kernels.Kernels.choose(CPU, compiled, "fused", half=True).half_native

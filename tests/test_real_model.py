@@ -7,7 +7,7 @@ from conftest import SMOLLM2_DIR, SMOLLM2_GGUF, SMOLLM2_PROMPTS, assert_same_gre
 from decode import Steps, compile_steps
 from eval import perplexity
 from generate import generate, load_model
-from kernels import Kernels, native_isas, native_kernels
+from kernels import Kernels, native_kernels, runs_avx2
 from quantize import default_text, quantize_model
 from tokenizer import load_tokenizer
 
@@ -117,7 +117,7 @@ def test_float32_eager_and_compiled_agree():
         assert_same_greedy(eager, prompt, generate(compiled, prompt, 16, steps=steps).tokens[0], expected, TOLERANCE)
 
 
-@pytest.mark.skipif(not native_kernels() or "avx2" not in native_isas(), reason="half_linear is AVX2 code")
+@pytest.mark.skipif(not native_kernels() or not runs_avx2(), reason="half_linear is AVX2 code")
 def test_bfloat16_native_and_fused_decode_agree():
     """bfloat16 weights' one-row products by kernels_cpu.cpp (half_linear, eager; what Kernels.choose picks) and by the
     compiled fused product: the same greedy tokens on the test prompts, except at near-ties (the float32 sums, added
