@@ -221,7 +221,7 @@ class Kernels:
         verification), the float32 weights are kept a second time in oneDNN's own layout for them (not with "fused"
         or "library": it costs their memory again). Where the model computes in bfloat16 or float16 (half), its
         one-row products run kernels_cpu.cpp's half_linear (half_native), which reads those weights faster than the
-        fused product.
+        other paths, except compiled on AMD CPUs with AVX-512, where the fused product is faster.
         docs/performance.md has the figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
@@ -242,7 +242,12 @@ class Kernels:
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
             isas = dict(int8_native=native_isa(), int4_native=native_isa(), half_native=half and runs_avx2())
             return cls(fused, "library", **isas, **common)
-        common["half_native"] = half and device.type == "cpu" and runs_avx2() and native_kernels()
+        # Compiled on an AMD CPU with AVX-512 (Zen 4, Zen 5), the fused product reads half-precision weights faster than
+        # half_linear, whose prefetches slow it there, at either ATen level; eager, half_linear is faster everywhere
+        fused_reads_half_faster = compiled and {"AuthenticAMD", "avx512f"} <= cpuinfo_words()
+        common["half_native"] = (
+            half and device.type == "cpu" and not fused_reads_half_faster and runs_avx2() and native_kernels()
+        )
         if quantized and device.type == "cpu" and native_kernels():
             return cls(fused, quant, int8_native=native_isa(), int4_native=native_isa(), **common)
         return cls(fused, quant, **common)
