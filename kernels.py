@@ -38,6 +38,8 @@ PACKED_ROWS = 8
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
+# kernels_cpu.cpp's operators' default distance for asking for the weights' cache lines ahead (Kernels.prefetch_bytes)
+PREFETCH_BYTES = 4096
 MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kernels.choose)
 # -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
 # has loaded; -ffp-contract=off: a row's float sums as written, the same instructions whatever the batch.
@@ -111,12 +113,14 @@ def native_kernels() -> bool:
         return False
     # x [M, K] by groups of channels [N / NATIVE_GROUP, K / 64, bytes] (int8/int4_native_layout) -> [M, N]
     torch.library.register_fake("gpt_fast::int8_linear")(
-        lambda x, packed, scales, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
+        lambda x, packed, scales, isa, prefetch=PREFETCH_BYTES: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
     torch.library.register_fake("gpt_fast::int4_linear")(
-        lambda x, packed, isa: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
+        lambda x, packed, isa, prefetch=PREFETCH_BYTES: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
-    torch.library.register_fake("gpt_fast::half_linear")(lambda x, weight: x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("gpt_fast::half_linear")(
+        lambda x, weight, prefetch=PREFETCH_BYTES: x.new_empty(x.shape[0], weight.shape[0])
+    )
     torch.library.register_fake("gpt_fast::int4_weights")(
         lambda packed: packed.new_empty(packed.shape[0] * NATIVE_GROUP, packed.shape[1] * 64, dtype=torch.bfloat16)
     )
@@ -193,6 +197,8 @@ class Kernels:
     packed_float: bool = False
     # bfloat16/float16 weights' one-row products by kernels_cpu.cpp (see runs_half_native)
     half_native: bool = False
+    # kernels_cpu.cpp's loops ask for the weights' cache lines this many bytes ahead of their reads (0: none)
+    prefetch_bytes: int = PREFETCH_BYTES
 
     @classmethod
     def choose(
@@ -231,7 +237,16 @@ class Kernels:
         onednn = "GenuineIntel" not in cpuinfo_words() and torch.backends.mkldnn.is_available()
         gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
         widen_rows = (AMX_WIDEN_ROWS if "amx_bf16" in cpuinfo_words() else WIDEN_ROWS) if native_bf16 else None
-        common = dict(float_gemm="onednn" if onednn else "blas", gemm_dtype=gemm_dtype, widen_rows=widen_rows)
+        # On an AMD CPU with AVX-512 (Zen 4, Zen 5), at either ATen level, software prefetches slow kernels_cpu.cpp's
+        # streams of weights, and compiled, the fused product reads half-precision weights faster than half_linear
+        amd_avx512 = {"AuthenticAMD", "avx512f"} <= cpuinfo_words()
+        prefetch_bytes = 0 if amd_avx512 else PREFETCH_BYTES
+        common = dict(
+            float_gemm="onednn" if onednn else "blas",
+            gemm_dtype=gemm_dtype,
+            widen_rows=widen_rows,
+            prefetch_bytes=prefetch_bytes,
+        )
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, **common)
         common["packed_float"] = onednn and device.type == "cpu" and rows >= PACKED_ROWS
@@ -242,9 +257,7 @@ class Kernels:
                 raise ValueError("--kernels native: kernels_cpu.cpp runs on a CPU, built with a C++ compiler")
             isas = dict(int8_native=native_isa(), int4_native=native_isa(), half_native=half and runs_avx2())
             return cls(fused, "library", **isas, **common)
-        # Compiled on an AMD CPU with AVX-512 (Zen 4, Zen 5), the fused product reads half-precision weights faster than
-        # half_linear, whose prefetches slow it there, at either ATen level; eager, half_linear is faster everywhere
-        fused_reads_half_faster = compiled and {"AuthenticAMD", "avx512f"} <= cpuinfo_words()
+        fused_reads_half_faster = compiled and amd_avx512  # eager, half_linear is faster everywhere
         common["half_native"] = (
             half and device.type == "cpu" and not fused_reads_half_faster and runs_avx2() and native_kernels()
         )
@@ -264,6 +277,7 @@ class Kernels:
             "widen_rows": self.widen_rows,
             "packed_float": self.packed_float,
             "half_native": self.half_native,
+            "prefetch_bytes": self.prefetch_bytes,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
@@ -317,7 +331,7 @@ def linear(
     if packed is not None and x.numel() // x.shape[-1] >= PACKED_ROWS:
         y = onednn_linear(x.reshape(-1, x.shape[-1]), packed).reshape(*x.shape[:-1], -1)
     elif kernels is not None and runs_half_native(x, weight, scales, kernels):
-        y = torch.ops.gpt_fast.half_linear(x.reshape(-1, x.shape[-1]).float(), weight)
+        y = torch.ops.gpt_fast.half_linear(x.reshape(-1, x.shape[-1]).float(), weight, kernels.prefetch_bytes)
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
     elif fuses(x, fused_rows):
         w = weight.float()
@@ -601,9 +615,11 @@ def native_linear(layer: nn.Module, x: Tensor, packed: Tensor, scales: Tensor | 
     of layer, or of layers joined by join_native -> [..., N], in x's dtype, without bias."""
     x2d = x.reshape(-1, x.shape[-1]).float()
     if scales is None:
-        y = torch.ops.gpt_fast.int4_linear(x2d, packed, NATIVE_ISAS.index(layer.kernels.int4_native))
+        isa = NATIVE_ISAS.index(layer.kernels.int4_native)
+        y = torch.ops.gpt_fast.int4_linear(x2d, packed, isa, layer.kernels.prefetch_bytes)
     else:
-        y = torch.ops.gpt_fast.int8_linear(x2d, packed, scales, NATIVE_ISAS.index(layer.kernels.int8_native))
+        isa = NATIVE_ISAS.index(layer.kernels.int8_native)
+        y = torch.ops.gpt_fast.int8_linear(x2d, packed, scales, isa, layer.kernels.prefetch_bytes)
     return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 

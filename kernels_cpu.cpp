@@ -47,14 +47,13 @@ constexpr int64_t GROUP = 4;         // channels interleaved (see the layouts ab
 constexpr int64_t INT8_STEP = 256;   // a group's bytes per 64 inputs: int8, 4 x 64 codes
 constexpr int64_t INT4_STEP = 160;   // int4: 4 x 32 bytes of codes, then 4 x 4 float16 from byte SCALES_AT
 constexpr int64_t SCALES_AT = 128;
-// The weights stream from memory once per call: each load also asks for the bytes this far ahead, which the
-// hardware prefetcher alone fetches too late (prefetching past the end is harmless: no fault, no use).
-constexpr int64_t PREFETCH_BYTES = 4096;
-
-// Asks for the cache lines of a step's bytes PREFETCH_BYTES ahead of it.
-inline void prefetch_ahead(const void* step, int64_t bytes) {
+// The weights stream from memory once per call. Where the hardware prefetcher alone fetches them too late, each load
+// also asks for the bytes `ahead` of it (an operator's argument, kernels.Kernels.prefetch_bytes: on some CPUs the
+// requests slow the stream instead, and 0 makes none). Prefetching past the end is harmless: no fault, no use.
+inline void prefetch_ahead(const void* step, int64_t bytes, int64_t ahead) {
+  if (ahead == 0) return;
   for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(static_cast<const char*>(step) + PREFETCH_BYTES + line, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(step) + ahead + line, _MM_HINT_T0);
 }
 
 // The activations of one call, quantized per block of 32: x[m, k] ~ codes[m, k] * scale of its block.
@@ -64,9 +63,10 @@ struct Activations {
   const float* sums;    // [M, K / 32, 2]: 0, then the block's scale times the sum of its codes: int4's offsets
                         // multiply the second of each pair, which lines it up with a step's (scale, offset) pairs
   int64_t K, blocks;
+  int64_t prefetch;  // the weights' bytes asked for ahead of each step (prefetch_ahead)
 
   Activations from_row(int64_t m) const {
-    return {codes + m * K, scales + m * blocks, sums + m * blocks * 2, K, blocks};
+    return {codes + m * K, scales + m * blocks, sums + m * blocks * 2, K, blocks, prefetch};
   }
 };
 
@@ -155,7 +155,7 @@ AVX2 void int8_avx2(const int8_t* group, const Activations& x, float* out) {
     for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const int8_t* step = group + (b / 2) * INT8_STEP;
-    prefetch_ahead(step, INT8_STEP);
+    prefetch_ahead(step, INT8_STEP, x.prefetch);
     for (int h = 0; h < 2; h++) {  // block b + h: bytes 32h.. of each channel's 64
       __m256i sign[GROUP], magnitude[GROUP];
       for (int c = 0; c < GROUP; c++) {
@@ -227,7 +227,7 @@ AVX2 void int4_avx2(const uint8_t* group, const Activations& x, float* out) {
   }
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const uint8_t* step = group + (b / 2) * INT4_STEP;
-    prefetch_ahead(step, INT4_STEP);
+    prefetch_ahead(step, INT4_STEP, x.prefetch);
     __m256 so[2];
     for (int pair = 0; pair < 2; pair++)
       so[pair] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(step + SCALES_AT + pair * 16)));
@@ -288,7 +288,7 @@ AVX512 void int8_avx512(const int8_t* group, const Activations& x, float* out) {
   const __m512i bias = _mm512_set1_epi8(-128);  // the byte 0x80: +128 unsigned
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const int8_t* step = group + (b / 2) * INT8_STEP;
-    prefetch_ahead(step, INT8_STEP);
+    prefetch_ahead(step, INT8_STEP, x.prefetch);
     // VNNI: the weights + 128 as unsigned bytes, and each product with a row starts from -128 times the row's sums
     // of 4 codes (which vpdpbusd adds to): the same int32 lanes as |w| by a carrying w's sign, with the row's
     // share computed once for the 4 channels. Without VNNI, vpmaddubsw's int16 pairs would saturate on w + 128.
@@ -335,7 +335,7 @@ AVX512 void int4_avx512(const uint8_t* group, const Activations& x, float* out) 
   const __m512i low4 = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < x.blocks; b += 2) {
     const uint8_t* step = group + (b / 2) * INT4_STEP;
-    prefetch_ahead(step, INT4_STEP);
+    prefetch_ahead(step, INT4_STEP, x.prefetch);
     const __m512 so = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + SCALES_AT)));
     __m512i codes[GROUP];
     __m512 scale[GROUP];
@@ -419,7 +419,8 @@ Kernel pick(bool int4, int64_t isa) {
 // x [M, K] float32 -> [M, N] float32: quantizes x once (its blocks split among torch's threads), then splits the groups
 // of channels among them.
 // channel_scales: int8's per-channel scales, or nullptr (int4 scales each block inside the kernel).
-at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& kernel, const float* channel_scales) {
+at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& kernel, const float* channel_scales,
+               int64_t prefetch) {
   const at::Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), blocks = K / BLOCK, N = packed.size(0) * GROUP;
   // one allocation for the quantized activations: codes, then the block scales, then the block sums
@@ -432,7 +433,7 @@ at::Tensor run(const at::Tensor& input, const at::Tensor& packed, const Kernel& 
     for (int64_t b = begin; b < end; b++)
       kernel.quantize(values + b * BLOCK, codes + b * BLOCK, scales + b, sums + 2 * b);
   });
-  const Activations a{codes, scales, sums, K, blocks};
+  const Activations a{codes, scales, sums, K, blocks, prefetch};
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
   const uint8_t* weights = static_cast<const uint8_t*>(packed.data_ptr());
@@ -532,12 +533,12 @@ AVX2 inline __m256 widen8(const c10::Half* w) {
 // One channel's weights w[0..K) times one row x: 32 inputs a pass into 4 independent sums of 8 lanes (one sum would
 // wait on each FMA's latency), then 8 at a time. K a multiple of 8.
 template <typename T>
-AVX2 float row_dot(const T* w, const float* x, int64_t K) {
+AVX2 float row_dot(const T* w, const float* x, int64_t K, int64_t prefetch) {
   __m256 acc[4];
   for (int i = 0; i < 4; i++) acc[i] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    prefetch_ahead(w + k, 32 * sizeof(T));
+    prefetch_ahead(w + k, 32 * sizeof(T), prefetch);
     for (int i = 0; i < 4; i++) acc[i] = _mm256_fmadd_ps(widen8(w + k + 8 * i), _mm256_loadu_ps(x + k + 8 * i), acc[i]);
   }
   for (; k < K; k += 8) acc[0] = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(x + k), acc[0]);
@@ -545,18 +546,18 @@ AVX2 float row_dot(const T* w, const float* x, int64_t K) {
 }
 
 template <typename T>
-void rows_times(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y) {
+void rows_times(const at::Tensor& x, const at::Tensor& weight, at::Tensor& y, int64_t prefetch) {
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const T* w = weight.data_ptr<T>();
   const float* rows = x.data_ptr<float>();
   float* out = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; n++)
-      for (int64_t m = 0; m < M; m++) out[m * N + n] = row_dot(w + n * K, rows + m * K, K);
+      for (int64_t m = 0; m < M; m++) out[m * N + n] = row_dot(w + n * K, rows + m * K, K, prefetch);
   });
 }
 
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t prefetch) {
   // x [M, K] float32, weight [N, K] bfloat16 or float16 -> [M, N] float32
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 8 == 0,
               "half_linear: x must be float32 [M, K] with K a multiple of 8");
@@ -564,44 +565,48 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (type == at::kBFloat16 || type == at::kHalf) && weight.size(1) == x.size(1) &&
                   weight.is_contiguous(),
               "half_linear: the weight must be contiguous bfloat16 or float16 [N, K]");
+  TORCH_CHECK(prefetch >= 0, "prefetch must be a number of bytes >= 0");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  if (type == at::kBFloat16) rows_times<c10::BFloat16>(xc, weight, y);
-  else rows_times<c10::Half>(xc, weight, y);
+  if (type == at::kBFloat16) rows_times<c10::BFloat16>(xc, weight, y, prefetch);
+  else rows_times<c10::Half>(xc, weight, y, prefetch);
   return y;
 }
 
 // x [M, K] float32 with M >= 1 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
-void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa) {
+void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa,
+                  int64_t prefetch) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(1) % 64 == 0,
               "x must be float32 [M, K] with M >= 1 and K a multiple of 64");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == type && packed.size(1) == x.size(1) / 64 &&
                   packed.size(2) == step && packed.is_contiguous(),
               "the weights must be contiguous [N / 4, K / 64, ", step, "] of ", type, " (kernels.py's layout)");
   TORCH_CHECK(isa >= 0 && isa <= 4, "isa must be 0..4");
+  TORCH_CHECK(prefetch >= 0, "prefetch must be a number of bytes >= 0");
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t isa) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t isa,
+                       int64_t prefetch) {
   // x [M, K] float32, packed [N / 4, K / 64, INT8_STEP] int8, scales [N] float32 -> [M, N] float32
-  check_inputs(x, packed, at::kChar, INT8_STEP, isa);
+  check_inputs(x, packed, at::kChar, INT8_STEP, isa, prefetch);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == packed.size(0) * GROUP && scales.is_contiguous(),
               "int8_linear: scales must be float32 [N]");
-  return run(x, packed, pick(false, isa), scales.data_ptr<float>());
+  return run(x, packed, pick(false, isa), scales.data_ptr<float>(), prefetch);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t isa) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t isa, int64_t prefetch) {
   // x [M, K] float32, packed [N / 4, K / 64, INT4_STEP] uint8 -> [M, N] float32
-  check_inputs(x, packed, at::kByte, INT4_STEP, isa);
-  return run(x, packed, pick(true, isa), nullptr);
+  check_inputs(x, packed, at::kByte, INT4_STEP, isa, prefetch);
+  return run(x, packed, pick(true, isa), nullptr, prefetch);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(gpt_fast, m) {
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, int isa) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa, int prefetch=4096) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int isa, int prefetch=4096) -> Tensor");
   m.def("int4_weights(Tensor packed) -> Tensor");
-  m.def("half_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("half_linear(Tensor x, Tensor weight, int prefetch=4096) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {

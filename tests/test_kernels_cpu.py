@@ -173,6 +173,25 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
         assert torch.equal(compiled(x[:8], isa), alone[:8]) and torch.equal(compiled(x[:1], isa), alone[:1])
 
 
+def test_the_distance_asked_ahead_changes_no_result(ops):
+    """The operators' prefetch argument (Kernels.prefetch_bytes) only asks for cache lines early: the outputs are
+    bitwise the same at any distance, none included, on every ISA path; a negative distance is refused."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1088, generator=g)
+    int8 = kernels.int8_native_layout(torch.randint(-127, 128, (64, 1088), dtype=torch.int8, generator=g))
+    int4 = kernels.int4_native_layout(*int4_weights(64, 1088, g))
+    scales = torch.rand(64, generator=g)
+    for isa in runnable_isas():
+        for prefetch in (0, 64, 8192):
+            assert torch.equal(ops.int8_linear(x, int8, scales, isa, prefetch), ops.int8_linear(x, int8, scales, isa))
+            assert torch.equal(ops.int4_linear(x, int4, isa, prefetch), ops.int4_linear(x, int4, isa))
+    if kernels.runs_avx2():
+        weight = torch.randn(64, 1088, generator=g).to(torch.bfloat16)
+        assert torch.equal(ops.half_linear(x, weight, 0), ops.half_linear(x, weight))
+    with pytest.raises(RuntimeError, match="prefetch"):
+        ops.int8_linear(x, int8, scales, 0, -64)
+
+
 def int8_layer(n: int, k: int, seed: int, native: bool = True) -> kernels.Int8Linear:
     """An Int8Linear of a random [n, k] weight, prepared for kernels_cpu.cpp (or not: native=False)."""
     torch.manual_seed(seed)
@@ -477,16 +496,18 @@ def test_kernels_record_the_float32_product():
     assert chosen["float_gemm"] == ("blas" if intel or not torch.backends.mkldnn.is_available() else "onednn")
 
 
-def test_half_precision_one_row_products_run_half_linear_wherever_it_builds():
+def test_half_precision_products_and_prefetches_chosen_per_cpu():
     """A bfloat16/float16 model's one-row products take half_linear wherever kernels_cpu.cpp builds and its AVX2 code
     may run: eager everywhere, compiled except on AMD CPUs with AVX-512, where the fused product reads faster (its
     prefetched reads beat the fused product's on Intel's AVX-512 and on AVX2-only CPUs: docs/performance.md). float32
-    and --kernels fused stay off it, and so does a process held below AVX2 (half_linear has no scalar path)."""
+    and --kernels fused stay off it, and so does a process held below AVX2 (half_linear has no scalar path). The
+    native kernels ask for cache lines ahead except on AMD CPUs with AVX-512."""
     wherever = kernels.native_kernels() and kernels.runs_avx2()
     amd_avx512 = {"AuthenticAMD", "avx512f"} <= kernels.cpuinfo_words()
     for compiled in (False, True):
         expected = wherever and not (compiled and amd_avx512)
         assert kernels.Kernels.choose(CPU, compiled, half=True).describe()["half_native"] == expected
+        assert kernels.Kernels.choose(CPU, compiled).describe()["prefetch_bytes"] == (0 if amd_avx512 else 4096)
         assert not kernels.Kernels.choose(CPU, compiled).half_native
         assert not kernels.Kernels.choose(CPU, compiled, "fused", half=True).half_native
     choice = "import torch, kernels; print(kernels.Kernels.choose(torch.device('cpu'), False, half=True).half_native)"
