@@ -518,8 +518,9 @@ at::Tensor int4_weights(const at::Tensor& packed) {
 // activation again for each output's sum; here x is float32 once and each weight is widened once in registers.
 // Channels are taken one after the other, each row of weights read start to end: the whole matrix is one sequential
 // stream a thread (interleaving a few channels' rows made as many short streams, read more slowly), whose lines are
-// asked for ahead of use (prefetch_ahead): widening takes instructions enough per line that the loads in flight alone
-// do not keep the memory busy, which the fused product, without prefetches, cannot help.
+// asked for ahead of use where the caller says so (prefetch_ahead): on some CPUs widening takes instructions enough
+// per line that the loads in flight alone do not keep the memory busy, which the fused product, without prefetches,
+// cannot help.
 
 // 8 weights widened to float32: bfloat16 by a shift, float16 by F16C.
 AVX2 inline __m256 widen8(const c10::BFloat16* w) {
