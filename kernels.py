@@ -38,7 +38,7 @@ PACKED_ROWS = 8
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
-# kernels_cpu.cpp's operators' default distance for asking for the weights' cache lines ahead (Kernels.prefetch_bytes)
+# how far ahead kernels_cpu.cpp's loops ask for the weights' cache lines, where they do (Kernels.prefetch_bytes)
 PREFETCH_BYTES = 4096
 MATVECS = ("auto", "fused", "library", "native")  # the --kernels choices (Kernels.choose)
 # -fopenmp: at::parallel_for is OpenMP in ATen's headers (without it, one thread), linked to the libgomp.so.1 torch
@@ -113,13 +113,13 @@ def native_kernels() -> bool:
         return False
     # x [M, K] by groups of channels [N / NATIVE_GROUP, K / 64, bytes] (int8/int4_native_layout) -> [M, N]
     torch.library.register_fake("gpt_fast::int8_linear")(
-        lambda x, packed, scales, isa, prefetch=PREFETCH_BYTES: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
+        lambda x, packed, scales, isa, prefetch: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
     torch.library.register_fake("gpt_fast::int4_linear")(
-        lambda x, packed, isa, prefetch=PREFETCH_BYTES: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
+        lambda x, packed, isa, prefetch: x.new_empty(x.shape[0], packed.shape[0] * NATIVE_GROUP)
     )
     torch.library.register_fake("gpt_fast::half_linear")(
-        lambda x, weight, prefetch=PREFETCH_BYTES: x.new_empty(x.shape[0], weight.shape[0])
+        lambda x, weight, prefetch: x.new_empty(x.shape[0], weight.shape[0])
     )
     torch.library.register_fake("gpt_fast::int4_weights")(
         lambda packed: packed.new_empty(packed.shape[0] * NATIVE_GROUP, packed.shape[1] * 64, dtype=torch.bfloat16)

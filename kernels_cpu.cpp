@@ -604,10 +604,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, int64_t is
 }  // namespace
 
 TORCH_LIBRARY(gpt_fast, m) {
-  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa, int prefetch=4096) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor packed, int isa, int prefetch=4096) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa, int prefetch) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, int isa, int prefetch) -> Tensor");
   m.def("int4_weights(Tensor packed) -> Tensor");
-  m.def("half_linear(Tensor x, Tensor weight, int prefetch=4096) -> Tensor");
+  m.def("half_linear(Tensor x, Tensor weight, int prefetch) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {

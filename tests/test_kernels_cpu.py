@@ -20,6 +20,7 @@ from generate import load_model
 
 pytestmark = pytest.mark.numerics
 CPU = torch.device("cpu")
+AHEAD = kernels.PREFETCH_BYTES  # the operators' prefetch argument, which changes no result
 
 
 def runnable_isas() -> list[int]:
@@ -70,7 +71,7 @@ def test_integer_dot_products_are_exact(ops, k):
     expected, packed = x.long() @ w.long().T, kernels.int8_native_layout(w)
     for isa in runnable_isas():
         for m in range(1, 9):
-            y = ops.int8_linear(x[:m], packed, torch.ones(36), isa)
+            y = ops.int8_linear(x[:m], packed, torch.ones(36), isa, AHEAD)
             assert torch.equal(y.long(), expected[:m]) and torch.equal(y, y.round()), kernels.NATIVE_ISAS[isa]
 
 
@@ -84,7 +85,7 @@ def test_float_outputs_within_rounding_of_the_reference(ops, k):
     scales = torch.rand(44, generator=g) / 100
     y_ref, bound = reference(x.numpy(), w.numpy(), scales.numpy())
     for isa in runnable_isas():
-        y = ops.int8_linear(x, kernels.int8_native_layout(w), scales, isa).double().numpy()
+        y = ops.int8_linear(x, kernels.int8_native_layout(w), scales, isa, AHEAD).double().numpy()
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
 
 
@@ -98,7 +99,7 @@ def test_activation_codes_round_half_to_even_like_the_reference(ops):
     codes = torch.from_numpy(np.rint(x.numpy()))
     unit = kernels.int8_native_layout(torch.eye(128, dtype=torch.int8))
     for isa in runnable_isas():
-        assert torch.equal(ops.int8_linear(x, unit, torch.ones(128), isa), codes), kernels.NATIVE_ISAS[isa]
+        assert torch.equal(ops.int8_linear(x, unit, torch.ones(128), isa, AHEAD), codes), kernels.NATIVE_ISAS[isa]
 
 
 def int4_weights(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +138,9 @@ def test_int4_integer_dot_products_are_exact(ops, k):
     expected, sums = x.long() @ codes.long().T, 2 * x.long().sum(-1, keepdim=True)
     for isa in runnable_isas():
         for m in range(1, 9):
-            y = ops.int4_linear(x[:m], ones, isa)
+            y = ops.int4_linear(x[:m], ones, isa, AHEAD)
             assert torch.equal(y.long(), expected[:m]) and torch.equal(y, y.round()), kernels.NATIVE_ISAS[isa]
-        assert torch.equal(ops.int4_linear(x, offsets, isa), sums.expand(8, 36).float())
+        assert torch.equal(ops.int4_linear(x, offsets, isa, AHEAD), sums.expand(8, 36).float())
 
 
 @pytest.mark.parametrize("k", [64, 576, 1088])
@@ -149,7 +150,7 @@ def test_int4_float_outputs_within_rounding_of_the_reference(ops, k):
     codes, scales = int4_weights(44, k, g)
     y_ref, bound = int4_reference(x.numpy(), codes.numpy(), scales.float().numpy())
     for isa in runnable_isas():
-        y = ops.int4_linear(x, kernels.int4_native_layout(codes, scales), isa).double().numpy()
+        y = ops.int4_linear(x, kernels.int4_native_layout(codes, scales), isa, AHEAD).double().numpy()
         assert (np.abs(y - y_ref) <= bound).all(), (kernels.NATIVE_ISAS[isa], np.abs(y - y_ref).max())
 
 
@@ -164,12 +165,12 @@ def test_a_row_is_bitwise_the_same_alone_and_in_any_batch(ops, kind):
     else:
         weights = (kernels.int4_native_layout(*int4_weights(64, 576, g)),)
     op = ops.int8_linear if kind == "int8" else ops.int4_linear
-    compiled = torch.compile(lambda x, isa: op(x, *weights, isa), fullgraph=True, dynamic=False)
+    compiled = torch.compile(lambda x, isa: op(x, *weights, isa, AHEAD), fullgraph=True, dynamic=False)
     for isa in runnable_isas():
         torch._dynamo.reset()  # a graph per isa and shape: within Dynamo's recompile limit for each isa
-        alone = torch.cat([op(x[i : i + 1], *weights, isa) for i in range(70)])
+        alone = torch.cat([op(x[i : i + 1], *weights, isa, AHEAD) for i in range(70)])
         for m in [*range(2, 9), 70]:
-            assert torch.equal(op(x[:m], *weights, isa), alone[:m]), (kernels.NATIVE_ISAS[isa], m)
+            assert torch.equal(op(x[:m], *weights, isa, AHEAD), alone[:m]), (kernels.NATIVE_ISAS[isa], m)
         assert torch.equal(compiled(x[:8], isa), alone[:8]) and torch.equal(compiled(x[:1], isa), alone[:1])
 
 
@@ -183,11 +184,13 @@ def test_the_distance_asked_ahead_changes_no_result(ops):
     scales = torch.rand(64, generator=g)
     for isa in runnable_isas():
         for prefetch in (0, 64, 8192):
-            assert torch.equal(ops.int8_linear(x, int8, scales, isa, prefetch), ops.int8_linear(x, int8, scales, isa))
-            assert torch.equal(ops.int4_linear(x, int4, isa, prefetch), ops.int4_linear(x, int4, isa))
+            assert torch.equal(
+                ops.int8_linear(x, int8, scales, isa, prefetch), ops.int8_linear(x, int8, scales, isa, AHEAD)
+            )
+            assert torch.equal(ops.int4_linear(x, int4, isa, prefetch), ops.int4_linear(x, int4, isa, AHEAD))
     if kernels.runs_avx2():
         weight = torch.randn(64, 1088, generator=g).to(torch.bfloat16)
-        assert torch.equal(ops.half_linear(x, weight, 0), ops.half_linear(x, weight))
+        assert torch.equal(ops.half_linear(x, weight, 0), ops.half_linear(x, weight, AHEAD))
     with pytest.raises(RuntimeError, match="prefetch"):
         ops.int8_linear(x, int8, scales, 0, -64)
 
@@ -222,7 +225,7 @@ def test_int8_layer_takes_the_kernel(ops):
     layer = int8_layer(96, 192, 4)
     x = torch.randn(5, 192)
     packed = kernels.int8_native_layout(layer.weight)
-    expected = ops.int8_linear(x, packed, layer.scales, kernels.NATIVE_ISAS.index(kernels.native_isa()))
+    expected = ops.int8_linear(x, packed, layer.scales, kernels.NATIVE_ISAS.index(kernels.native_isa()), AHEAD)
     assert torch.equal(layer(x), expected)
     reference_y = x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
@@ -251,7 +254,7 @@ def test_int4_layer_takes_the_kernel(ops, groupsize):
     codes, (scales, zeros) = kernels.unpack_int4(layer.weight), layer.scales_and_zeros.transpose(0, 1).unbind(-1)
     x = torch.randn(8, 256)
     isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
-    assert torch.equal(layer(x), ops.int4_linear(x, layer.native_packed, isa))
+    assert torch.equal(layer(x), ops.int4_linear(x, layer.native_packed, isa, AHEAD))
     reference_y = x.double() @ qz.dequantize_int4(codes, scales, zeros, groupsize).double().T
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
     assert torch.equal(layer(torch.cat([x] * 3))[:8], layer(x))  # 24 rows: the kernel too, each row as alone
@@ -287,7 +290,7 @@ def test_int4_layer_widens_its_weights_for_many_rows(ops):
     assert ((layer(x) - reference_y).norm() / reference_y.norm()).item() < 1e-2
     fewer = x[:15]
     isa = kernels.NATIVE_ISAS.index(kernels.native_isa())
-    assert torch.equal(layer(fewer), ops.int4_linear(fewer, layer.native_packed, isa))
+    assert torch.equal(layer(fewer), ops.int4_linear(fewer, layer.native_packed, isa, AHEAD))
 
 
 @pytest.mark.parametrize(
@@ -404,10 +407,10 @@ def test_half_precision_product_within_float32_rounding(ops, dtype):
     eager and compiled, and the fused product for two; its output rounds to the weights' dtype as the fused one's."""
     torch.manual_seed(0)
     weight, x = torch.randn(94, 328).to(dtype), torch.randn(3, 328).to(dtype).float()  # x as the layer is given it
-    y = ops.half_linear(x, weight)
+    y = ops.half_linear(x, weight, AHEAD)
     reference_y = x.double() @ weight.double().T
     assert (y.double() - reference_y).abs().le(328 * 2.0**-24 * (x.double().abs() @ weight.double().abs().T)).all()
-    assert torch.equal(ops.half_linear(x[1:2], weight), y[1:2])
+    assert torch.equal(ops.half_linear(x[1:2], weight, AHEAD), y[1:2])
     layer = kernels.Linear(328, 94, bias=False)
     layer.weight.data = weight
     layer.kernels = kernels.Kernels("fused", half_native=True)
@@ -507,7 +510,7 @@ def test_half_precision_products_and_prefetches_chosen_per_cpu():
     for compiled in (False, True):
         expected = wherever and not (compiled and amd_avx512)
         assert kernels.Kernels.choose(CPU, compiled, half=True).describe()["half_native"] == expected
-        assert kernels.Kernels.choose(CPU, compiled).describe()["prefetch_bytes"] == (0 if amd_avx512 else 4096)
+        assert kernels.Kernels.choose(CPU, compiled).describe()["prefetch_bytes"] == (0 if amd_avx512 else AHEAD)
         assert not kernels.Kernels.choose(CPU, compiled).half_native
         assert not kernels.Kernels.choose(CPU, compiled, "fused", half=True).half_native
     choice = "import torch, kernels; print(kernels.Kernels.choose(torch.device('cpu'), False, half=True).half_native)"
