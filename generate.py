@@ -54,7 +54,7 @@ from decode import (
     prompt_head,
     token_steps,
 )
-from kernels import MATVECS, Kernels, set_kernels
+from kernels import MATVECS, Kernels, in_huge_pages, set_kernels
 from model import Transformer
 from quantize import load_checkpoint_model, prepare_quantized
 from results import Generation, Speculation, check_stop, collect, find_stop, summarize, synchronize
@@ -336,9 +336,10 @@ def load_model(
     shard=None,
     kernels: Kernels = Kernels(),
 ):
-    """Builds the model on the meta device and assigns the memory-mapped weights: no second copy.
-    With a tensor-parallel shard (tp.Shard), keeps this rank's slice only, before moving it to the device.
-    kernels: how a CPU runs the linear layers (Kernels.choose picks the fastest for a run)."""
+    """Builds the model on the meta device and assigns the memory-mapped weights. With a tensor-parallel shard
+    (tp.Shard), keeps this rank's slice only, before moving it to the device. kernels: how a CPU runs the linear
+    layers (Kernels.choose picks the fastest for a run); where they say so, the weights are then copied once into
+    huge pages (in_huge_pages)."""
     model, quantization = load_checkpoint_model(resolve_checkpoint(checkpoint_path))
     if shard is not None:
         tp.check_divisible(model.config, shard.world_size, quantization)
@@ -347,6 +348,8 @@ def load_model(
     set_kernels(model, kernels)
     if quantization is not None:
         prepare_quantized(model)
+    if kernels.huge_pages:
+        in_huge_pages(model)
     return model
 
 

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -146,6 +147,55 @@ def keep_freed_memory():
         mallopt(M_TRIM_THRESHOLD, 2 * KEPT_BLOCK_BYTES)
 
 
+THP_MODES = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never": the mode in force bracketed
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def transparent_huge_pages() -> bool:
+    """Whether memory advised for huge pages (madvise MADV_HUGEPAGE) may get them: Linux's transparent huge pages
+    not set to "never"."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and THP_MODES.is_file() and "[never]" not in THP_MODES.read_text()
+
+
+def in_huge_pages(model: nn.Module):
+    """Moves the weights of a model on a CPU (its parameters and buffers, as the kernels' layouts made by then) into
+    one anonymous mapping advised for 2 MiB pages, 64-byte aligned each. A decode step streams every weight once:
+    with 4 KiB pages (a checkpoint's memory-mapped file, or malloc's) its reads miss the TLB every 4 KiB, most
+    layers' matrices are smaller than one huge page, and glibc does not ask for huge pages. Each storage moved gets a
+    storage of its own in the mapping (torch.compile's nested regions refuse weights that share one), and the tensors
+    that shared it (a tied output projection, views) still share it; oneDNN's opaque layouts stay where they are."""
+    tensors = [
+        t
+        for module in model.modules()
+        for t in [*module._parameters.values(), *module._buffers.values()]
+        if t is not None and t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
+    ]
+    storages = {}  # data_ptr -> (offset in the mapping, storage)
+    size = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() > 0 and storage.data_ptr() not in storages:
+            storages[storage.data_ptr()] = (size, storage)
+            size += -(-storage.nbytes() // 64) * 64
+    if size == 0:
+        return
+    # whole huge pages from a 2 MiB boundary within it; not MAP_SHARED, which follows shmem's own THP setting
+    pages = -(-size // HUGE_PAGE_BYTES) + 1
+    mapping = mmap.mmap(-1, pages * HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    memory = memoryview(mapping)  # each tensor made from it keeps the mapping alive
+    start = -torch.frombuffer(memory[:1], dtype=torch.uint8).data_ptr() % HUGE_PAGE_BYTES
+    moved = {}  # data_ptr -> the storage's bytes in the mapping
+    for ptr, (offset, storage) in storages.items():
+        moved[ptr] = torch.frombuffer(memory[start + offset : start + offset + storage.nbytes()], dtype=torch.uint8)
+        moved[ptr].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    homes = [moved.get(t.untyped_storage().data_ptr()) for t in tensors]  # before the first move: storages are shared
+    with torch.no_grad():
+        for t, home in zip(tensors, homes):
+            if home is not None:
+                t.data = home.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 def interleaved(t: Tensor) -> Tensor:
     """[N, K / 64, B] -> [N / NATIVE_GROUP, K / 64, NATIVE_GROUP * B]: a group's channels side by side per 64 inputs."""
     n, steps = t.shape[:2]
@@ -199,6 +249,8 @@ class Kernels:
     half_native: bool = False
     # kernels_cpu.cpp's loops ask for the weights' cache lines this many bytes ahead of their reads (0: none)
     prefetch_bytes: int = PREFETCH_BYTES
+    # the weights copied into memory backed by 2 MiB pages where the loader places them (in_huge_pages)
+    huge_pages: bool = False
 
     @classmethod
     def choose(
@@ -246,6 +298,7 @@ class Kernels:
             gemm_dtype=gemm_dtype,
             widen_rows=widen_rows,
             prefetch_bytes=prefetch_bytes,
+            huge_pages=device.type == "cpu" and transparent_huge_pages(),
         )
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, **common)
@@ -278,6 +331,7 @@ class Kernels:
             "packed_float": self.packed_float,
             "half_native": self.half_native,
             "prefetch_bytes": self.prefetch_bytes,
+            "huge_pages": self.huge_pages,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 

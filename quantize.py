@@ -23,7 +23,7 @@ from torch import Tensor
 
 from checkpoint import HelpFormatter, load_checkpoint, resolve_checkpoint, save_atomic, user_errors
 from config import ModelArgs
-from kernels import Int4Linear, Int8Linear, Kernels, join_native, set_kernels
+from kernels import Int4Linear, Int8Linear, Kernels, in_huge_pages, join_native, set_kernels
 from model import FeedForward, Transformer
 from tokenizer import load_tokenizer, read_text
 
@@ -115,6 +115,8 @@ def quantize_model(model, kind: str, groupsize: int = 32, kernels: Kernels = Ker
     quantized.load_state_dict(state, assign=True)
     set_kernels(quantized, kernels)
     prepare_quantized(quantized)
+    if kernels.huge_pages:
+        in_huge_pages(quantized)
     return quantized.eval()
 
 

@@ -60,7 +60,7 @@ from checkpoint import (  # noqa: E402
 from config import ModelArgs  # noqa: E402
 from decode import compile_steps, ensure_caches  # noqa: E402
 from generate import default_dtype, generate, load_model  # noqa: E402
-from kernels import MATVECS, Kernels, set_kernels  # noqa: E402
+from kernels import MATVECS, Kernels, in_huge_pages, set_kernels  # noqa: E402
 from model import Transformer  # noqa: E402
 from quantize import quantize_checkpoint, quantize_model  # noqa: E402
 from results import model_size_bytes, synchronize  # noqa: E402
@@ -190,6 +190,8 @@ def base_model(args, dtype: torch.dtype, kernels: Kernels) -> Transformer:
     if args.shape:
         model = random_model(args.shape, args.device, dtype)
         set_kernels(model, kernels)
+        if kernels.huge_pages:
+            in_huge_pages(model)
         return model
     return load_model(args.checkpoint_path, args.device, dtype, kernels=kernels)
 

@@ -23,8 +23,9 @@ PROMPTS = [[7, 8, 9, 10, 11], [3], [20, 21, 22, 23, 24, 25, 26, 27, 28]]  # diff
 
 
 def test_compiled_equals_eager_without_recompiling(tiny_checkpoint, device):
-    """On CUDA, the compiled steps replay CUDA graphs."""
-    model = load_model(tiny_checkpoint, device)
+    """On CUDA, the compiled steps replay CUDA graphs. On a CPU the weights are in huge pages, as generate.py loads
+    them there (kernels.in_huge_pages: a storage each, which torch.compile's nested regions need)."""
+    model = load_model(tiny_checkpoint, device, kernels=Kernels(huge_pages=device.type == "cpu"))
     eager = generate(model, PROMPTS, 50).tokens
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()

@@ -577,3 +577,56 @@ def test_a_prefill_reuses_the_memory_its_widened_weights_freed():
     assert run.returncode == 0, run.stderr[-2000:]
     faults = [int(n) for n in run.stdout.split()]
     assert max(faults[2:]) < 1000, faults
+
+
+def huge_page_eligible(address: int) -> bool:
+    """Whether the kernel may back the mapping holding address with transparent huge pages (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if not first.endswith(":"):  # a mapping's header: "start-end perms ..."
+            start, end = (int(a, 16) for a in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.skipif(not kernels.transparent_huge_pages(), reason="no transparent huge pages here")
+def test_weights_moved_into_huge_pages_keep_their_values_and_sharing(tiny_checkpoint):
+    plain = load_model(tiny_checkpoint)
+    huge = load_model(tiny_checkpoint, kernels=kernels.Kernels(huge_pages=True))
+    assert kernels.Kernels.choose(CPU, True).huge_pages
+    assert plain.state_dict().keys() == huge.state_dict().keys()
+    for name, t in huge.state_dict().items():
+        assert torch.equal(t, plain.state_dict()[name]), name
+        assert huge_page_eligible(t.data_ptr()) and not huge_page_eligible(plain.state_dict()[name].data_ptr()), name
+    x = torch.randint(0, 100, (1, 12))
+    plain.setup_caches(1, 12), huge.setup_caches(1, 12)
+    with torch.no_grad():
+        assert torch.equal(huge(x, torch.arange(12)), plain(x, torch.arange(12)))
+    # A tied output projection and a view of a weight share memory before the move, and after it
+    model = load_model(tiny_checkpoint)
+    model.output.weight = model.tok_embeddings.weight
+    model.layers[0].register_buffer("first_rows", model.tok_embeddings.weight[:4])
+    storages = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    kernels.in_huge_pages(model)
+    assert model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    assert model.layers[0].first_rows.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    assert torch.equal(model.layers[0].first_rows, model.tok_embeddings.weight[:4])
+    # each storage moved has one of its own (torch.compile's nested regions refuse weights that share one)
+    assert len({t.untyped_storage().data_ptr() for t in model.parameters()}) == len(storages)
+
+
+def test_quantized_weights_and_their_layouts_moved_into_huge_pages_give_the_same_logits(tiny_checkpoint):
+    choice = kernels.Kernels.choose(CPU, False, quantized=True)
+    x = torch.randint(0, 100, (1, 12))
+    logits = []
+    for huge in (False, True):
+        model = qz.quantize_model(
+            load_model(tiny_checkpoint), "int8", kernels=dataclasses.replace(choice, huge_pages=huge)
+        )
+        model.setup_caches(1, 12)
+        with torch.no_grad():
+            logits.append(model(x, torch.arange(12)))
+    assert torch.equal(*logits)
