@@ -163,18 +163,22 @@ def in_huge_pages(model: nn.Module):
     with 4 KiB pages (a checkpoint's memory-mapped file, or malloc's) its reads miss the TLB every 4 KiB, most
     layers' matrices are smaller than one huge page, and glibc does not ask for huge pages. Each storage moved gets a
     storage of its own in the mapping (torch.compile's nested regions refuse weights that share one), and the tensors
-    that shared it (a tied output projection, views) still share it; oneDNN's opaque layouts stay where they are."""
-    tensors = [
-        t
+    that shared it (a tied output projection, views) still share it; oneDNN's opaque layouts stay where they are.
+    An embedding table that only looks up a row a token stays where it is (a checkpoint's stays mostly on disk).
+    The storages left behind are freed, and glibc's heap gives their pages back (release_freed_memory)."""
+    tied = getattr(model, "output", True) is None  # model.Transformer's output projection reads tok_embeddings
+    owned = [  # (tensor, whether its module reads it whole)
+        (t, not isinstance(module, nn.Embedding) or (tied and module is model.tok_embeddings))
         for module in model.modules()
         for t in [*module._parameters.values(), *module._buffers.values()]
         if t is not None and t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn
     ]
+    tensors = [t for t, _ in owned]
     storages = {}  # data_ptr -> (offset in the mapping, storage)
     size = 0
-    for t in tensors:
+    for t, read_whole in owned:
         storage = t.untyped_storage()
-        if storage.nbytes() > 0 and storage.data_ptr() not in storages:
+        if read_whole and storage.nbytes() > 0 and storage.data_ptr() not in storages:
             storages[storage.data_ptr()] = (size, storage)
             size += -(-storage.nbytes() // 64) * 64
     if size == 0:
@@ -194,6 +198,18 @@ def in_huge_pages(model: nn.Module):
         for t, home in zip(tensors, homes):
             if home is not None:
                 t.data = home.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+    storages.clear()  # the last references to the storages left behind, unless the caller holds some
+    release_freed_memory()
+
+
+def release_freed_memory():
+    """Gives the pages of freed blocks inside glibc's heap back to the system (malloc_trim). free() returns only
+    the heap's top beyond the trim threshold (keep_freed_memory), so the weights that a load converted (bfloat16
+    from a float32 file, the kernels' layouts) and then moved into huge pages would stay in the process, as much
+    memory as the moved weights again. Nothing where the C library has no malloc_trim."""
+    malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def interleaved(t: Tensor) -> Tensor:

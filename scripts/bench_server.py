@@ -12,18 +12,20 @@ their own (different questions, greedy, --max_tokens tokens: ignore_eos, as both
 same work even where their greedy texts part), all starting together; "mixed": the same, but the requests of every
 fourth client (the first, the fifth, ...) begin with a document of --document_tokens tokens, a long prompt entering
 while the other streams run. Each row: total tokens/s (completion tokens of all requests / wall time from the first
-request sent to the last answer), time to first token (TTFT: from sending a request to its first streamed text) p50
-and p95, the largest gap between two pieces of text of one stream, and the streams' decode rate (tokens after the
-first / time from the first to the last). "edit": every request is speculative_demo.py's code edit (a 160-line file,
-"rename a method, return the whole file"), what prompt lookup speeds up: with --ngram, server.py --ngram runs every
-row too, its ratio against server.py's.
+request sent to the last answer, both summed over the rounds), time to first token (TTFT: from sending a request to
+its first streamed text) p50 and p95, the largest gap between two pieces of text of one stream, and the streams'
+decode rate (tokens after the first / time from the first to the last). "edit": every request is
+speculative_demo.py's code edit (a 160-line file, "rename a method, return the whole file"), what prompt lookup speeds
+up: with --ngram, server.py --ngram runs every row too, its ratio against server.py's.
 
 llama-server (build it as docs/serving.md says) serves the GGUF the checkpoint came from (--gguf) at the checkpoint's
 precision (float32: F32, int8: Q8_0, int4: Q4_1, a checkpoint of GGUF blocks: the GGUF's own type; llama.cpp makes
 the copy), with as many slots, the same context per slot and the same threads, continuous batching. server.py runs
-with --max_batch_size the most clients. Both servers are up together, each idle while the other is measured, and
-each row runs on server.py and then on llama-server, so that the host's drift over the minutes of a whole set of rows
-does not enter their ratio. One request warms up each server first; each server's start time is printed
+with --max_batch_size the most clients. Both servers are up together, each idle while the other is measured. Each
+row runs its load --rounds times on each server, the order of the servers reversed every other round (server.py,
+llama-server, llama-server, server.py, ...), so that the host's drift over a row weighs on both alike; a row's
+figures are over all its rounds (each round of each mixed row has a document of its own, which neither server has
+seen before). One request warms up each server first; each server's start time is printed
 (server.py --compile compiles its decode graphs before it serves). The single-stream check: four of the questions
 one at a time, each through generate.py's compiled decode (Stream, in this process), through server.py (up and idle)
 twice, and through generate.py again, just before the rows: their decode rates over the four.
@@ -131,13 +133,15 @@ def requests_of(workload: str, clients: int, per_client: int, document: str) -> 
     ]
 
 
-def document_of(tokenizer, length: int) -> str:
-    """The mixed load's document: the project's docs, cut to length tokens."""
+def documents_of(tokenizer, length: int, count: int) -> list[str]:
+    """count documents for the mixed load: the project's docs, cut in pieces of length tokens."""
     text = "\n\n".join((ROOT / name).read_text() for name in DOCUMENT_SOURCES)
     ids = tokenizer.encode(text)
-    if len(ids) < length:
-        sys.exit(f"error: the docs hold {len(ids)} tokens, fewer than --document_tokens {length}")
-    return tokenizer.decode(ids[:length])
+    if len(ids) < length * count:
+        sys.exit(
+            f"error: the docs hold {len(ids)} tokens, fewer than the {count} documents of {length} that the rows need"
+        )
+    return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(count)]
 
 
 def wait_for(process: subprocess.Popen, url: str, name: str) -> float:
@@ -244,7 +248,8 @@ def one_request(http: httpx.Client, url: str, message: str, max_tokens: int, ign
     return Answer(pieces[0] - start, tokens, pieces[-1] - pieces[0], max(gaps, default=0.0))
 
 
-def run_clients(url: str, server: str, workload: str, clients: int, args, document: str) -> dict:
+def run_clients(url: str, workload: str, clients: int, args, document: str) -> tuple[float, list[Answer]]:
+    """The load on one server: its wall time and its answers."""
     answers = []
 
     def client(messages):
@@ -260,7 +265,19 @@ def run_clients(url: str, server: str, workload: str, clients: int, args, docume
         t.start()
     for t in threads:
         t.join()
-    return summary(server, workload, clients, time.perf_counter() - start, answers)
+    return time.perf_counter() - start, answers
+
+
+def run_row(urls: dict[str, str], workload: str, clients: int, args, documents: list[str]) -> list[dict]:
+    """A row's summary for each server: the load --rounds times on each, the order of the servers reversed every
+    other round, the rates over all rounds together."""
+    walls, answers = dict.fromkeys(urls, 0.0), {name: [] for name in urls}
+    for r, document in enumerate(documents):
+        for name in list(urls) if r % 2 == 0 else list(urls)[::-1]:
+            wall, got = run_clients(urls[name], workload, clients, args, document)
+            walls[name] += wall
+            answers[name] += got
+    return [summary(name, workload, clients, walls[name], answers[name]) for name in urls]
 
 
 def start_server(command: list[str], port: int, name: str, processes: list[subprocess.Popen]) -> tuple[str, float]:
@@ -318,6 +335,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--workloads", type=lambda s: s.split(","), default=["chat", "mixed"], help="chat, mixed, edit")
     p.add_argument("--requests", type=int, default=2, help="requests per client, sent one after another")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="times each row's load runs on each server, in the order A B B A ..."
+    )
     p.add_argument("--max_tokens", type=int, default=128)
     p.add_argument(
         "--ignore_eos", action=argparse.BooleanOptionalAction, default=True, help="every reply max_tokens long"
@@ -340,8 +360,8 @@ def parse_args(argv=None):
     p.add_argument("--ngram", action="store_true", help="server.py --ngram too, each row beside server.py's")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
-    if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1:
-        p.error("--clients, --requests and --max_tokens must be positive")
+    if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
+        p.error("--clients, --requests, --rounds and --max_tokens must be positive")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         p.error(f"--prefill_chunk must be positive, got {args.prefill_chunk}")
     if not set(args.workloads) <= {"chat", "mixed", "edit"}:
@@ -359,7 +379,9 @@ def main(argv=None):
         args = parse_args(argv)
         tokenizer = load_tokenizer(args.checkpoint_path.parent)
         peer = None if args.llama_server is None else peer_gguf(args)
-    document = document_of(tokenizer, args.document_tokens) if "mixed" in args.workloads else ""
+    # a document for each round of each mixed row
+    count = args.rounds * len(args.clients) if "mixed" in args.workloads else 0
+    documents = iter(documents_of(tokenizer, args.document_tokens, count))
     servers = {"server.py": (ours_command(args, args.port), args.port)}
     if args.ngram:
         servers["server.py --ngram"] = (ours_command(args, args.port + 2, "--ngram"), args.port + 2)
@@ -372,10 +394,16 @@ def main(argv=None):
             urls[name], started[name] = start_server(command, port, name, processes)
         one_stream = single_stream(args, urls["server.py"])
         rows = [
-            run_clients(url, name, workload, clients, args, document)
+            row
             for workload in args.workloads
             for clients in args.clients
-            for name, url in urls.items()
+            for row in run_row(
+                urls,
+                workload,
+                clients,
+                args,
+                [next(documents) if workload == "mixed" else "" for _ in range(args.rounds)],
+            )
         ]
     finally:
         for process in processes:
@@ -390,8 +418,8 @@ def main(argv=None):
         f"{' (ignore_eos)' if args.ignore_eos else ''}, "
         f"{max(args.clients)} slots of {args.max_seq_length}, KV cache {args.kv_cache_dtype or 'in the model dtype'} "
         f"(llama-server: {LLAMA_CACHE_TYPES.get(args.kv_cache_dtype, 'f16')})"
-        f"{'' if args.prefill_chunk is None else f', prefill chunk {args.prefill_chunk}'}; started in "
-        + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
+        f"{'' if args.prefill_chunk is None else f', prefill chunk {args.prefill_chunk}'}, {args.rounds} rounds a row; "
+        "started in " + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
     )
     theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"].startswith("llama-server")}
     plain = {(r["workload"], r["clients"]): r for r in rows if r["server"] == "server.py"}

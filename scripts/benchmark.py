@@ -9,8 +9,10 @@
     python scripts/benchmark.py --shape llama-2-7b --device cuda --configs compiled:bfloat16 --draft int4   # own copy
 
 A run is a prompt of --prompt_length random tokens (prefill), then --new_tokens greedy decode steps
-with no EOS. Every round runs each configuration once, ours and the peers interleaved, so that a
-change in the machine's load hits all of them alike; the table shows medians over the rounds, after
+with no EOS. Every round runs each configuration once, each of ours right beside the llama.cpp copy it is compared
+with (ours first in even rounds, the peer first in odd ones), so that the host's speed, which moves in steps of
+seconds, weighs on both alike: the ratios to llama.cpp are medians over the rounds of each such pair's ratio. The
+table shows medians over the rounds, after
 one warm-up run each (which, for compiled ones, compiles: "compile s"; "recompiles" counts the graphs Dynamo
 compiled after it, during the timed runs, which should be none). MBU = bytes of weights a decode
 step reads x steps per second / the copy bandwidth measured at the start of the same run.
@@ -97,6 +99,7 @@ class Entry:
     compiled: bool = False
     start_s: tuple[float, float] | None = None  # --start: (first-ever, cached) seconds to generate.py's first tokens
     runs: list[dict] = field(default_factory=list)
+    paired: list[tuple[dict, dict]] = field(default_factory=list)  # ours: (our run, the peer's run right beside it)
 
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.runs)
@@ -432,10 +435,9 @@ def table(entries: list[Entry], bandwidth: float, device: torch.device) -> tuple
             "start_s": e.start_s[1] if e.start_s else None,
         }
         if e.precision is not None:
-            peer = peers.get(e.peer)
-            if peer is not None:
-                row["vs_llama_cpp_decode"] = decode / peer.median("decode_tokens_per_s")
-                row["vs_llama_cpp_prefill"] = row["prefill_tokens_per_s"] / peer.median("prefill_tokens_per_s")
+            if e.paired:
+                for key, name in (("decode_tokens_per_s", "decode"), ("prefill_tokens_per_s", "prefill")):
+                    row[f"vs_llama_cpp_{name}"] = statistics.median(a[key] / b[key] for a, b in e.paired)
             if "transformers eager float32" in peers:
                 row["vs_transformers_decode"] = decode / peers["transformers eager float32"].median(
                     "decode_tokens_per_s"
@@ -715,13 +717,30 @@ def prepare_entries(args, prompt: list[int]) -> list[Entry]:
 
 
 def time_rounds(args, entries: list[Entry]):
-    """--rounds timed runs of every entry, interleaved: a round runs each once."""
+    """--rounds timed runs of every entry. A round runs each of ours and, right beside it, the peer it is compared
+    with (a peer compared with several runs beside each), ours first in even rounds and the peer first in odd ones
+    (A B B A); then the entries no pair ran."""
     graphs = torch._dynamo.utils.counters["stats"]
+    peers = {e.name: e for e in entries if e.precision is None}
+
+    def timed(e: Entry) -> dict:
+        before = graphs["unique_graphs"]
+        e.runs.append(e.run())
+        e.recompiles += graphs["unique_graphs"] - before
+        return e.runs[-1]
+
     for r in range(args.rounds):
+        paired = set()  # names of the entries this round ran in pairs
         for e in entries:
-            before = graphs["unique_graphs"]
-            e.runs.append(e.run())
-            e.recompiles += graphs["unique_graphs"] - before
+            peer = peers.get(e.peer)  # None for the peers themselves
+            if peer is None:
+                continue
+            runs = (timed(e), timed(peer)) if r % 2 == 0 else (timed(peer), timed(e))[::-1]
+            e.paired.append(runs)
+            paired |= {e.name, peer.name}
+        for e in entries:
+            if e.name not in paired:
+                timed(e)
         print(
             f"round {r + 1}/{args.rounds}: "
             + ", ".join(f"{e.name} {e.runs[-1]['decode_tokens_per_s']:.1f}" for e in entries),

@@ -1,5 +1,6 @@
 """scripts/benchmark.py as a user runs it: one JSON row per configuration, figures that agree with each other."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from benchmark import Config, Entry, chart_bars, slower_configurations
+from benchmark import Config, Entry, chart_bars, slower_configurations, table, time_rounds
 from conftest import ROOT
 from quantize import quantize_checkpoint
 
@@ -125,6 +126,32 @@ def test_check_flags_compiled_slower_than_eager_and_quantized_slower_than_float3
         slower_configurations([entry("int8", int8, 50, prefill=91), entry("eager", Config(False, "int8", "auto"), 45)])
         == []
     )
+
+
+def test_rounds_run_each_configuration_beside_its_peer_and_compare_the_pairs():
+    """Each of ours runs right beside its llama.cpp copy, first in even rounds and second in odd ones (A B B A); the
+    ratio to llama.cpp is the median of the pairs' ratios, in which the host's speed of the moment cancels."""
+    order = []
+
+    def runner(name, speeds):
+        speeds = iter(speeds)
+
+        def run():
+            order.append(name)
+            speed = next(speeds)
+            return {"decode_tokens_per_s": speed, "prefill_tokens_per_s": 2 * speed, "time_to_first_token_s": 1.0}
+
+        return run
+
+    # the host slow, then fast, then middling: ours 1.5x its peer in two pairs of three, 0.5x in the last
+    ours = Entry("ours", runner("ours", [15, 120, 50]), "float32", Config(True, "float32", "auto"), "llama.cpp F32")
+    peer, alone = Entry("llama.cpp F32", runner("peer", [10, 80, 100])), Entry("hf", runner("alone", [1, 2, 3]))
+    entries = [ours, peer, alone]
+    time_rounds(argparse.Namespace(rounds=3), entries)
+    assert order == ["ours", "peer", "alone", "peer", "ours", "alone", "ours", "peer", "alone"]
+    _, rows = table(entries, 1.0, torch.device("cpu"))
+    assert rows[0]["vs_llama_cpp_decode"] == rows[0]["vs_llama_cpp_prefill"] == 1.5
+    assert rows[0]["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"] == 50 / 80  # the medians' ratio
 
 
 def test_check_needs_a_pair_to_compare():
