@@ -12,10 +12,9 @@ A run is a prompt of --prompt_length random tokens (prefill), then --new_tokens 
 with no EOS. Every round runs each configuration once, each of ours right beside the llama.cpp copy it is compared
 with (ours first in even rounds, the peer first in odd ones), so that the host's speed, which moves in steps of
 seconds, weighs on both alike: the ratios to llama.cpp are medians over the rounds of each such pair's ratio. The
-table shows medians over the rounds, after
-one warm-up run each (which, for compiled ones, compiles: "compile s"; "recompiles" counts the graphs Dynamo
-compiled after it, during the timed runs, which should be none). MBU = bytes of weights a decode
-step reads x steps per second / the copy bandwidth measured at the start of the same run.
+table shows medians over the rounds, after one warm-up run each (which, for compiled ones, compiles: "compile s";
+"recompiles" counts the graphs Dynamo compiled after it, during the timed runs, which should be none). MBU = bytes
+of weights a decode step reads x steps per second / the copy bandwidth measured at the start of the same run.
 --compile_prefill compiles the compiled configurations' prefill too, as generate.py's flag does.
 --start times what a user waits for: `generate.py --compile` (and --compile_prefill) in a new process, from its
 start to its exit after 2 greedy tokens (an upper bound of the time to the first token), with an empty inductor
