@@ -111,6 +111,7 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # with the first event of a choice that scores its prompt
+    made: float = field(default_factory=time.perf_counter)  # when: the gaps between a choice's tokens, however sent
 
 
 def speculable(c: Choice) -> bool:

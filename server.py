@@ -56,6 +56,9 @@ from tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20
 DEFAULT_SLOTS = 8  # slots without --max_batch_size, where the KV cache budget holds them
+# --stream_interval holds a stream's token back only if it came this soon after the one before: a step that ran
+# other prompts' prefill (a gap a reader sees) sends what was held at once, rather than make that gap longer
+STREAM_HOLD_S = 0.05
 # Without --kv_cache_memory the KV caches may take this share of the memory free once the weights are loaded: the rest
 # is for activations, compiled code and whatever else runs on the machine.
 KV_MEMORY_SHARE = 0.5
@@ -71,6 +74,7 @@ class AppState:
     api_key: str | None
     metrics: Metrics
     kv_cache_budget: int  # bytes the KV caches were sized to (--kv_cache_memory)
+    stream_interval: int  # a streamed choice's tokens per hand-off to the HTTP thread after its first
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -219,7 +223,7 @@ async def complete(request: Request, chat: bool, app_state: AppState):
     job = parse_job(await read_body(request), chat, app_state.model_name, app_state.engine)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": request_id, "created": int(time.time()), "model": app_state.model_name}
-    choices, sent = submit(job, app_state.engine)
+    choices, sent = submit(job, app_state.engine, app_state.stream_interval if job.stream else None)
     reply = Reply(job, choices, app_state.engine.tokenizer, app_state.metrics, head, time.perf_counter())
     events = choice_events(choices, sent, app_state.metrics)
     try:
@@ -234,10 +238,26 @@ async def complete(request: Request, chat: bool, app_state: AppState):
     return await whole_answer(reply, first, events)
 
 
-def submit(job: Job, engine: Engine) -> tuple[list[Choice], asyncio.Queue]:
-    """Queues the job's choices (n of each prompt) in the engine; their events arrive in the returned queue."""
+def submit(job: Job, engine: Engine, interval: int | None) -> tuple[list[Choice], asyncio.Queue]:
+    """Queues the job's choices (n of each prompt) in the engine; their events arrive in the returned queue, in
+    lists: a choice's first event alone, then interval of them at a time (None: all the rest at its end), sooner
+    where a stream's event came STREAM_HOLD_S or more after the one before, and an event that ends a choice with
+    whatever it held. Each hand-off wakes the HTTP thread, whose time on the cores the engine's step loses."""
     loop, sent = asyncio.get_running_loop(), asyncio.Queue()
-    send = lambda event: loop.call_soon_threadsafe(sent.put_nowait, event)  # noqa: E731
+    # Touched by the engine thread only: a choice's events not yet handed off, and when its latest event was made.
+    held: dict[int, list[Event]] = {}
+    made: dict[int, float] = {}
+
+    def send(event: Event):
+        first = event.index not in made
+        late = interval is not None and not first and event.made - made[event.index] >= STREAM_HOLD_S
+        made[event.index] = event.made
+        events = held.setdefault(event.index, [])
+        events.append(event)
+        ended = event.finish_reason is not None or event.error is not None
+        if first or late or ended or len(events) == interval:
+            loop.call_soon_threadsafe(sent.put_nowait, events[:])
+            events.clear()
 
     # Choice i of a seeded request draws from seed + i: the n choices differ, and each repeats with its seed.
     def seeded(i):
@@ -269,28 +289,29 @@ def submit(job: Job, engine: Engine) -> tuple[list[Choice], asyncio.Queue]:
     return choices, sent
 
 
-async def choice_events(choices: list[Choice], sent: asyncio.Queue, metrics: Metrics) -> AsyncIterator[Event]:
-    """The choices' events (one per token) until each has ended (an error event raises). Closed early (the client
-    went away), it cancels the choices, and the engine frees whatever is still running."""
-    open_choices, last = len(choices), {}  # last: when each choice's latest token came
+async def choice_events(choices: list[Choice], sent: asyncio.Queue, metrics: Metrics) -> AsyncIterator[list[Event]]:
+    """The choices' events (one per token) as handed off, until each has ended (an error event raises). Closed early
+    (the client went away), it cancels the choices, and the engine frees whatever is still running."""
+    open_choices, last = len(choices), {}  # last: when the engine made each choice's latest token
     try:
         while open_choices:
-            event = await sent.get()
-            if event.error is not None:
-                raise RuntimeError(event.error)
-            now = time.perf_counter()
-            if event.index in last:
-                metrics.inter_token_latency.observe(now - last[event.index])
-            last[event.index] = now
-            open_choices -= event.finish_reason is not None
-            yield event
+            events = await sent.get()
+            for event in events:
+                if event.error is not None:
+                    raise RuntimeError(event.error)
+                if event.index in last:
+                    metrics.inter_token_latency.observe(event.made - last[event.index])
+                last[event.index] = event.made
+                open_choices -= event.finish_reason is not None
+            yield events
     finally:
         for c in choices:
             c.cancelled = True
 
 
-async def streamed_answer(reply: Reply, first: Event, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """Server-sent events: opening chunks, one chunk per event that shows something, the usage if asked, [DONE]."""
+async def streamed_answer(reply: Reply, first: list[Event], events: AsyncIterator[list[Event]]) -> AsyncIterator[str]:
+    """Server-sent events: opening chunks, one chunk per event that shows something (a hand-off's chunks in one
+    write), the usage if asked, [DONE]."""
     job, tokenizer = reply.job, reply.tokenizer
 
     def chunk(choices: list[dict], **extra) -> str:
@@ -300,14 +321,18 @@ async def streamed_answer(reply: Reply, first: Event, events: AsyncIterator[Even
         if job.chat:
             for c in reply.choices:
                 yield chunk([role_choice(c)])
-        event, echoed, streamed = first, set(), {c.index: Streamed() for c in reply.choices}
-        while event is not None:
-            if job.echo and event.index not in echoed:  # a choice's prompt comes before its first token
-                echoed.add(event.index)
-                yield chunk([echo_choice(tokenizer, reply.choices[event.index], event.prompt_logprobs)])
-            if shown := chunk_choice(job, tokenizer, event, streamed[event.index]):
-                yield chunk([shown])
-            event = await anext(events, None)
+        handed, echoed, streamed = first, set(), {c.index: Streamed() for c in reply.choices}
+        while handed is not None:
+            chunks = []
+            for event in handed:
+                if job.echo and event.index not in echoed:  # a choice's prompt comes before its first token
+                    echoed.add(event.index)
+                    chunks.append(chunk([echo_choice(tokenizer, reply.choices[event.index], event.prompt_logprobs)]))
+                if shown := chunk_choice(job, tokenizer, event, streamed[event.index]):
+                    chunks.append(chunk([shown]))
+            if chunks:
+                yield "".join(chunks)
+            handed = await anext(events, None)
         if job.include_usage:
             yield chunk([], usage=usage(job, reply.choices))
         yield "data: [DONE]\n\n"
@@ -316,17 +341,18 @@ async def streamed_answer(reply: Reply, first: Event, events: AsyncIterator[Even
         reply.log()
 
 
-async def whole_answer(reply: Reply, first: Event, events: AsyncIterator[Event]) -> dict:
+async def whole_answer(reply: Reply, first: list[Event], events: AsyncIterator[list[Event]]) -> dict:
     """The answer once every choice has ended: each choice's text, log-probs and finish reason."""
     texts, entries, reasons = {}, {}, {}
     try:
-        event = first
-        while event is not None:
-            texts[event.index] = texts.get(event.index, "") + event.text
-            new = (event.prompt_logprobs or []) + ([event.logprobs] if event.logprobs else [])
-            entries.setdefault(event.index, []).extend(new)
-            reasons[event.index] = event.finish_reason
-            event = await anext(events, None)
+        handed = first
+        while handed is not None:
+            for event in handed:
+                texts[event.index] = texts.get(event.index, "") + event.text
+                new = (event.prompt_logprobs or []) + ([event.logprobs] if event.logprobs else [])
+                entries.setdefault(event.index, []).extend(new)
+                reasons[event.index] = event.finish_reason
+            handed = await anext(events, None)
     finally:
         await events.aclose()
         reply.log()
@@ -370,6 +396,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     arg("--max_queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
     arg("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled between two decode steps")
+    arg(
+        "--stream_interval",
+        type=int,
+        default=1,
+        help="a stream's tokens per chunk after its first: each chunk wakes the HTTP thread, whose time the decode "
+        "step loses on a machine with no core to spare (as vLLM's --stream-interval)",
+    )
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -386,7 +419,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ngram and args.draft_checkpoint_path is not None:
         p.error("--ngram drafts from the context, --draft_checkpoint_path with a draft model: choose one")
-    for name in ("max_batch_size", "max_queue", "prefill_chunk", "speculate_k"):
+    for name in ("max_batch_size", "max_queue", "prefill_chunk", "stream_interval", "speculate_k"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if not 0 < args.port < 65536:
@@ -499,7 +532,14 @@ def main(argv=None):
         # What loading and compiling made lives as long as the server: Python's full collections would walk it all,
         # each stalling the engine and the HTTP thread (they hold the interpreter); frozen, collections skip it.
         gc.freeze()
-        app_state = AppState(engine, args.model_name or path.parent.name, args.api_key, server_metrics(engine), budget)
+        app_state = AppState(
+            engine,
+            args.model_name or path.parent.name,
+            args.api_key,
+            server_metrics(engine),
+            budget,
+            args.stream_interval,
+        )
         app = make_app(app_state)
         # HTTP is served from a thread of its own, and the engine runs here, in the thread that loaded and compiled the
         # model: OpenMP keeps a pool of workers per thread that runs parallel work, and with two pools on the cores

@@ -26,9 +26,9 @@ row runs its load --rounds times on each server, the order of the servers revers
 llama-server, llama-server, server.py, ...), so that the host's drift over a row weighs on both alike; a row's
 figures are over all its rounds (each round of each mixed row has a document of its own, which neither server has
 seen before). One request warms up each server first; each server's start time is printed
-(server.py --compile compiles its decode graphs before it serves). The single-stream check: four of the questions
+(server.py --compile compiles its decode graphs before it serves). The single-stream check: eight of the questions
 one at a time, each through generate.py's compiled decode (Stream, in this process), through server.py (up and idle)
-twice, and through generate.py again, just before the rows: their decode rates over the four.
+twice, and through generate.py again, just before the rows: their decode rates over the eight.
 """
 
 import argparse
@@ -64,6 +64,7 @@ from tokenizer import load_tokenizer  # noqa: E402
 
 # --kv_cache_dtype as llama-server's cache types (-ctk, -ctv); its default is f16
 LLAMA_CACHE_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+SINGLE_STREAM = 8  # questions the single-stream check asks: the host's speed moves from one to the next
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -174,6 +175,7 @@ def ours_command(args, port: int, *flags: str) -> list[str]:
         args.kernels,
         *(["--kv_cache_dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []),
         *(["--prefill_chunk", str(args.prefill_chunk)] if args.prefill_chunk is not None else []),
+        *(["--stream_interval", str(args.stream_interval)] if args.stream_interval != 1 else []),
         *flags,
     ] + ["--compile"] * args.compile
 
@@ -300,7 +302,7 @@ def single_stream(args, url: str) -> dict:
         args.checkpoint_path, cpu, compiled=args.compile, matvec=args.kernels, kv_cache_dtype=args.kv_cache_dtype
     )
     steps = compile_steps(cpu, args.compile)
-    prompts = [encode_conversation(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
+    prompts = [encode_conversation(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:SINGLE_STREAM]]
     # One cache for all requests, as large as the longest needs, so that the compiled step never recompiles.
     model.setup_caches(1, max(map(len, prompts)) + args.max_tokens)
     Stream(model, tokenizer, "warm-up", 4, steps=steps).run()
@@ -356,12 +358,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--prefill_chunk", type=int, default=None, help="server.py's: prompt tokens per step (default: its default)"
     )
+    p.add_argument("--stream_interval", type=int, default=1, help="server.py's: a stream's tokens per chunk")
     p.add_argument("--port", type=int, default=8765, help="server.py's; llama-server's is the next")
     p.add_argument("--ngram", action="store_true", help="server.py --ngram too, each row beside server.py's")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = p.parse_args(argv)
-    if min(args.clients) < 1 or args.requests < 1 or args.max_tokens < 1 or args.rounds < 1:
-        p.error("--clients, --requests, --rounds and --max_tokens must be positive")
+    if min(args.clients) < 1 or min(args.requests, args.max_tokens, args.rounds, args.stream_interval) < 1:
+        p.error("--clients, --requests, --rounds, --max_tokens and --stream_interval must be positive")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         p.error(f"--prefill_chunk must be positive, got {args.prefill_chunk}")
     if not set(args.workloads) <= {"chat", "mixed", "edit"}:
@@ -418,7 +421,9 @@ def main(argv=None):
         f"{' (ignore_eos)' if args.ignore_eos else ''}, "
         f"{max(args.clients)} slots of {args.max_seq_length}, KV cache {args.kv_cache_dtype or 'in the model dtype'} "
         f"(llama-server: {LLAMA_CACHE_TYPES.get(args.kv_cache_dtype, 'f16')})"
-        f"{'' if args.prefill_chunk is None else f', prefill chunk {args.prefill_chunk}'}, {args.rounds} rounds a row; "
+        f"{'' if args.prefill_chunk is None else f', prefill chunk {args.prefill_chunk}'}"
+        f"{'' if args.stream_interval == 1 else f', server.py --stream_interval {args.stream_interval}'}, "
+        f"{args.rounds} rounds a row; "
         "started in " + ", ".join(f"{name} {s:.0f} s" for name, s in started.items())
     )
     theirs = {(r["workload"], r["clients"]): r for r in rows if r["server"].startswith("llama-server")}
@@ -438,8 +443,8 @@ def main(argv=None):
         )
     ours, theirs = one_stream["server_decode_tokens_per_s"], one_stream["generate_decode_tokens_per_s"]
     print(
-        f"single stream (4 questions, each through generate.py, the idle server.py twice and generate.py): server.py "
-        f"decodes {ours:.1f} tok/s, generate.py {theirs:.1f} tok/s: {ours / theirs:.2f}x"
+        f"single stream ({SINGLE_STREAM} questions, each through generate.py, the idle server.py twice and "
+        f"generate.py): server.py decodes {ours:.1f} tok/s, generate.py {theirs:.1f} tok/s: {ours / theirs:.2f}x"
     )
 
 

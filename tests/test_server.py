@@ -1,5 +1,6 @@
 """server.py: the OpenAI API through the official client, continuous batching, disconnects, bad input, the chat page."""
 
+import asyncio
 import contextlib
 import functools
 import itertools
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -30,18 +32,18 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from transformers import PreTrainedTokenizerFast
 
-from api import HONOURED, NO_EFFECT, UNSUPPORTED
+from api import HONOURED, NO_EFFECT, UNSUPPORTED, Job
 from chat import encode_conversation
 from conftest import ROOT, SMOLLM2_DIR, TINY_VOCAB, assert_same_greedy, make_hf_llama
 from convert_hf_checkpoint import convert_hf_checkpoint
 from decode import Steps, Stream, compile_steps
-from engine import Choice, Engine
+from engine import Choice, Engine, Event
 from eval import text_logprobs
 from generate import generate, load_model
 from grammar import grammar_vocabulary, new_matcher, regex_grammar
 from quantize import quantize_model
 from sampling import SamplingParams
-from server import DEFAULT_SLOTS, kv_cache_shape
+from server import DEFAULT_SLOTS, STREAM_HOLD_S, kv_cache_shape, submit
 from speculate import depth_choices, probe_depth
 from tokenizer import load_tokenizer
 
@@ -734,6 +736,78 @@ def test_concurrent_streams_each_equal_alone_and_a_late_one_starts_early(server,
         t.join(timeout=300)
     assert [results[i] for i in range(len(PROMPTS))] == expected
     assert times["late"] < times["end0"], "the late request waited for the longest one to end"
+
+
+def test_a_choices_events_reach_the_request_in_groups_of_the_stream_interval():
+    """server.submit's hand-off from the engine thread: a choice's first event alone (its time to first token), then
+    interval events at a time; an event made STREAM_HOLD_S or more after the choice's one before (a step that ran a
+    prefill) goes at once with those held, and so does an event that ends the choice (or an error). A whole answer
+    (interval None) gets its first event, then the rest at the end. The choices of a request group apart, in the
+    order the engine made their events."""
+    job = Job(False, [[5, 6]], 2, 8, SamplingParams(), [], None, True, False, False, None, None, None, False)
+    engine = types.SimpleNamespace(submit=lambda choices: None)
+    late = 0.04 + 2 * STREAM_HOLD_S
+    made_in_order = [(0, "a", 0.0), (1, "x", 0.0), (0, "b", 0.01), (1, "y", 0.01), (0, "c", 0.02), (1, "z!", 0.02)]
+    made_in_order += [(0, "d", 0.03), (0, "e", 0.04), (0, "f", late), (0, "g", late + 0.01), (0, "h.", late + 0.02)]
+
+    async def handed(interval):
+        choices, sent = submit(job, engine, interval)
+        for index, text, made in made_in_order:
+            ended = (
+                {"error": "fault"} if text.endswith("!") else {"finish_reason": "length"} if text.endswith(".") else {}
+            )
+            choices[index].send(Event(index, text, made=made, **ended))
+        await asyncio.sleep(0)  # the hand-offs' callbacks run
+        return ["".join(e.text for e in sent.get_nowait()) for _ in range(sent.qsize())]
+
+    assert asyncio.run(handed(1)) == [text for _, text, _ in made_in_order]
+    assert asyncio.run(handed(3)) == ["a", "x", "yz!", "bcd", "ef", "gh."]
+    assert asyncio.run(handed(None)) == ["a", "x", "yz!", "bcdefgh."]
+
+
+def test_a_stream_interval_sends_the_same_text(chat_checkpoint, reference, tmp_path):
+    """server.py --stream_interval 3: concurrent streams (n = 2 choices, some prompts ending on EOS) get the greedy
+    text of the model alone, and the inter-token latency metric still counts each token after the first."""
+    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--stream_interval", "3")
+    try:
+        _, tokenizer = reference
+        expected = {p: greedy_reference(reference, tokenizer.encode(p), 40) for p in PROMPTS[:6]}
+        answers = queue.Queue()
+
+        def ask(prompt):
+            texts, reasons = ["", ""], [None, None]
+            for chunk in client(url).completions.create(
+                model="tiny-chat", prompt=prompt, max_tokens=40, temperature=0, n=2, stream=True
+            ):
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+                    reasons[c.index] = c.finish_reason or reasons[c.index]
+            answers.put((prompt, list(zip(texts, reasons))))
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in expected]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        got = dict(answers.get_nowait() for _ in expected)
+        assert got == {p: [expected[p]] * 2 for p in expected}
+        before = metric_samples(url)
+        done = list(
+            client(url).completions.create(
+                model="tiny-chat",
+                prompt="The",
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        moved = metric_samples(url)[("gptfast_inter_token_latency_seconds_count", ())]
+        assert done[-1].usage.completion_tokens == 10
+        assert moved - before[("gptfast_inter_token_latency_seconds_count", ())] == 9
+    finally:
+        stop_server(process, log)
 
 
 def test_bad_inputs_get_errors_and_the_server_goes_on(server):
