@@ -766,8 +766,8 @@ def test_a_choices_events_reach_the_request_in_groups_of_the_stream_interval():
 
 
 def test_a_stream_interval_sends_the_same_text(chat_checkpoint, reference, tmp_path):
-    """server.py --stream_interval 3: concurrent streams (n = 2 choices, some prompts ending on EOS) get the greedy
-    text of the model alone, and the inter-token latency metric still counts each token after the first."""
+    """server.py --stream_interval 3: concurrent streams (n = 2 choices each) get the greedy text of the model
+    alone, and the inter-token latency metric still counts each token after the first."""
     process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--stream_interval", "3")
     try:
         _, tokenizer = reference
