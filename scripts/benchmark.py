@@ -734,8 +734,13 @@ def time_rounds(args, entries: list[Entry]):
             peer = peers.get(e.peer)  # None for the peers themselves
             if peer is None:
                 continue
-            runs = (timed(e), timed(peer)) if r % 2 == 0 else (timed(peer), timed(e))[::-1]
-            e.paired.append(runs)
+            if r % 2 == 0:
+                ours = timed(e)
+                theirs = timed(peer)
+            else:
+                theirs = timed(peer)
+                ours = timed(e)
+            e.paired.append((ours, theirs))
             paired |= {e.name, peer.name}
         for e in entries:
             if e.name not in paired:
