@@ -367,6 +367,14 @@ async def whole_answer(reply: Reply, first: list[Event], events: AsyncIterator[l
 # ---------------------------------------------------------------- command line
 
 
+def serve_at_nice(http: uvicorn.Server, nice: int):
+    """Runs the HTTP server in this thread at the given nice value (Linux sets it per thread; the threads this one
+    starts inherit it)."""
+    if sys.platform == "linux":
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    http.run()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     arg = p.add_argument
@@ -403,6 +411,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a stream's tokens per chunk after its first: each chunk wakes the HTTP thread, whose time the decode "
         "step loses on a machine with no core to spare (as vLLM's --stream-interval)",
     )
+    arg(
+        "--http_nice",
+        type=int,
+        default=0,
+        help="the HTTP thread's nice value on Linux, 0 (the engine's) to 19: at 19 its wake-ups wait for a free core "
+        "instead of cutting into a decode step's threads (a faster stream on a machine with no core to spare, "
+        "a later first token under load)",
+    )
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
     arg("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -422,6 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_batch_size", "max_queue", "prefill_chunk", "stream_interval", "speculate_k"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if not 0 <= args.http_nice <= 19:
+        p.error(f"--http_nice must be in 0..19, got {args.http_nice}")
     if not 0 < args.port < 65536:
         p.error(f"--port must be in 1..65535, got {args.port}")
     if args.max_seq_length is not None and args.max_seq_length < 2:
@@ -547,7 +565,7 @@ def main(argv=None):
         http = uvicorn.Server(
             uvicorn.Config(guarded(app, app_state), host=args.host, port=args.port, log_level="warning")
         )
-        serving = threading.Thread(target=http.run, name="http", daemon=True)
+        serving = threading.Thread(target=serve_at_nice, args=(http, args.http_nice), name="http", daemon=True)
         serving.start()
         while not http.started:
             if not serving.is_alive():

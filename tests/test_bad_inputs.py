@@ -154,6 +154,8 @@ CASES = [
     ("server", None, ["--kv_cache_memory", "10000", "--max_batch_size", "10000000"], "free"),
     ("server", None, ["--max_batch_size", "0"], "--max_batch_size"),
     ("server", None, ["--max_seq_length", "1"], "--max_seq_length"),
+    ("server", None, ["--http_nice", "20"], "--http_nice"),
+    ("server", None, ["--http_nice", "-1"], "--http_nice"),  # a raised priority needs privileges
     # generate.py: the checkpoint folder's files
     ("generate", write("ckpt/config.json", "null"), [], "config.json"),
     ("generate", edit_json("ckpt/config.json", rope_base="abc"), [], "rope_base"),

@@ -766,10 +766,17 @@ def test_a_choices_events_reach_the_request_in_groups_of_the_stream_interval():
 
 
 def test_a_stream_interval_sends_the_same_text(chat_checkpoint, reference, tmp_path):
-    """server.py --stream_interval 3: concurrent streams (n = 2 choices each) get the greedy text of the model
-    alone, and the inter-token latency metric still counts each token after the first."""
-    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, "--stream_interval", "3")
+    """server.py --stream_interval 3 --http_nice 7: concurrent streams (n = 2 choices each) get the greedy text of
+    the model alone, and the inter-token latency metric still counts each token after the first. The HTTP thread
+    runs at nice 7 (on Linux, where nice is per thread), the engine's thread at 0."""
+    flags = ("--stream_interval", "3", "--http_nice", "7")
+    process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, *flags)
     try:
+        if sys.platform == "linux":
+            # /proc/PID/task/TID/stat: the 19th field is the nice value (counted after the name in parentheses)
+            tasks = Path(f"/proc/{process.pid}/task")
+            nice = {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
+            assert nice[process.pid] == 0 and 7 in nice.values()
         _, tokenizer = reference
         expected = {p: greedy_reference(reference, tokenizer.encode(p), 40) for p in PROMPTS[:6]}
         answers = queue.Queue()
