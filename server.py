@@ -367,11 +367,13 @@ async def whole_answer(reply: Reply, first: list[Event], events: AsyncIterator[l
 # ---------------------------------------------------------------- command line
 
 
-def serve_at_nice(http: uvicorn.Server, nice: int):
-    """Runs the HTTP server in this thread at the given nice value (Linux sets it per thread; the threads this one
-    starts inherit it)."""
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+def serve_at_nice(http: uvicorn.Server, nicer: int):
+    """Runs the HTTP server in this thread, nicer than the engine's thread by that much (Linux sets nice per thread,
+    and the threads this one starts inherit it; only a privileged process may lower a nice value, so this one only
+    raises it, up to 19, whatever nice the server was started at)."""
+    if sys.platform == "linux" and nicer:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nicer))
     http.run()
 
 
@@ -415,9 +417,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--http_nice",
         type=int,
         default=0,
-        help="the HTTP thread's nice value on Linux, 0 (the engine's) to 19: at 19 its wake-ups wait for a free core "
-        "instead of cutting into a decode step's threads (a faster stream on a machine with no core to spare, "
-        "a later first token under load)",
+        help="how much nicer than the engine's thread the HTTP thread runs on Linux, 0 to 19 (nice stops at 19): at "
+        "19 its wake-ups wait for a free core instead of cutting into a decode step's threads (a faster stream on a "
+        "machine with no core to spare, a later first token under load)",
     )
     arg("--api_key", default=None, help="require Authorization: Bearer API_KEY on /v1 routes")
     arg("--device", type=device_flag, default=DEFAULT_DEVICE, help="cpu, cuda, cuda:1, ...")
