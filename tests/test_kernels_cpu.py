@@ -568,15 +568,16 @@ def test_a_product_whose_widened_weights_exceed_the_kept_size_reuses_memory():
 def test_a_prefill_reuses_the_memory_its_widened_weights_freed():
     """The default model in bfloat16, prefilled again and again in a fresh process: its products widen each weight to
     float32 (cpu_product, on CPUs without bfloat16 matrix products). With keep_freed_memory (load_model's set_kernels
-    calls it), the copies reuse the memory the previous ones freed: after the first prefills, next to no page faults.
-    glibc's default behaviour depends on the order of earlier allocations; in some runs it maps every copy afresh,
-    some 17,000 page faults each prefill."""
+    calls it), the copies reuse the memory the previous ones freed: after the first prefills, few page faults (most
+    often none; now and then a prefill maps a megabyte or few afresh, up to some 1,700 faults). glibc's default
+    behaviour depends on the order of earlier allocations; in some runs it maps every copy afresh, 12,000 to 23,000
+    page faults each prefill, so the bound sits between the two."""
     assert (SMOLLM2_DIR / "model.pth").is_file(), "run: bash scripts/prepare.sh"
     command = [sys.executable, "-c", PREFILL_FAULTS, str(SMOLLM2_DIR / "model.pth")]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr[-2000:]
     faults = [int(n) for n in run.stdout.split()]
-    assert max(faults[2:]) < 1000, faults
+    assert max(faults[2:]) < 6000, faults
 
 
 def huge_page_eligible(address: int) -> bool:
