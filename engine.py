@@ -4,20 +4,21 @@ static KV cache of max_batch_size rows ("slots").
 A request's choices wait in a bounded queue and take free slots in arrival order (slot_for picks which). A step's
 rows attend in groups, each to a window of its own (decode.window_groups): after admitting, rows swap slots so that
 long prompts share a group (regroup). Each turn of the loop prefills up to prefill_chunk prompt tokens of the slots
-still entering, oldest first (short pieces of several slots in one call), then runs one decode step for every slot
-that has its prompt in: a long prompt enters in chunks while the running streams go on. A choice frees its slot when
-it ends or its client goes away (a prefill stops at its next chunk). A slot keeps its tokens' keys and values after
-its request, and before a chunk a slot copies the longest prefix of its prompt that any slot holds, busy or not: the
-next turn of a conversation, a shared system prompt, the n choices of a request prefill only what is new (a slot
-waits while an older one prefills a longer prefix of its prompt than it could copy). With speculation, each step is
-a round for all decoding slots, of one depth (drafted tokens per row; 0: a plain decode step) that
-speculate.choose_depth picks from the rows' acceptance and the round costs measured at warm-up: with a draft model
-(decode.draft_and_verify; while a slot's request is one the acceptance rule does not cover, penalties, log-probs or
-a grammar, the batch decodes one token per step instead), or by prompt lookup (--ngram: each row's drafts come
-from its prompt, its prediction and its output, speculate.NgramIndex; a row the rule does not cover, or with a
-shorter proposal, is padded and keeps no padding, and a step with a row wanting log-probs is a plain one). A choice
-with a grammar (grammar.py) has a matcher: after each of its tokens, the matcher's allowed tokens become its row's
-mask for the next step, which every row reads (all tokens allowed in a free row), so constrained and free rows
+still entering, short prompts whole first and then the oldest in a piece (short pieces of several slots in one
+call), then runs one decode step for every slot that has its prompt in: a long prompt enters in chunks while the
+running streams go on, in turns of prefill_chunk_while_decoding tokens (what the streams wait for). A choice frees
+its slot when it ends or its client goes away (a prefill stops at its next chunk). A slot keeps its tokens' keys and
+values after its request, and before a chunk a slot copies the longest prefix of its prompt that any slot holds,
+busy or not: the next turn of a conversation, a shared system prompt, the n choices of a request prefill only what
+is new (a slot waits while an older one prefills a longer prefix of its prompt than it could copy). With
+speculation, each step is a round for all decoding slots, of one depth (drafted tokens per row; 0: a plain decode
+step) that speculate.choose_depth picks from the rows' acceptance and the round costs measured at warm-up: with a
+draft model (decode.draft_and_verify; while a slot's request is one the acceptance rule does not cover, penalties,
+log-probs or a grammar, the batch decodes one token per step instead), or by prompt lookup (--ngram: each row's
+drafts come from its prompt, its prediction and its output, speculate.NgramIndex; a row the rule does not cover, or
+with a shorter proposal, is padded and keeps no padding, and a step with a row wanting log-probs is a plain one). A
+choice with a grammar (grammar.py) has a matcher: after each of its tokens, the matcher's allowed tokens become its
+row's mask for the next step, which every row reads (all tokens allowed in a free row), so constrained and free rows
 share a step's graph.
 """
 
@@ -135,10 +136,13 @@ class Engine:
         prefill_chunk: int = 256,
         ngram: bool = False,
         round_costs: dict[int, dict[int, float]] | None = None,
+        prefill_chunk_while_decoding: int | None = None,
     ):
         self.model, self.tokenizer, self.steps, self.draft = model, tokenizer, steps, draft
         self.vocabulary = vocabulary  # the tokens as grammar.py's matchers read them (None: no structured output)
-        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (a prompt's more)
+        self.prefill_chunk = prefill_chunk  # prompt tokens a turn of the loop prefills (a prompt's more)
+        # ... in a turn that also decodes: a running stream waits for them (None: as many)
+        self.prefill_chunk_while_decoding = min(prefill_chunk_while_decoding or prefill_chunk, prefill_chunk)
         self.device = model.tok_embeddings.weight.device
         if draft is not None and ngram:
             raise ValueError("speculative decoding drafts with a draft model or by prompt lookup (ngram), not both")
@@ -160,6 +164,8 @@ class Engine:
             )
         if prefill_chunk < 1:
             raise ValueError(f"--prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_chunk_while_decoding is not None and prefill_chunk_while_decoding < 1:
+            raise ValueError(f"--prefill_chunk_while_decoding must be >= 1, got {prefill_chunk_while_decoding}")
         self.models = (model, draft) if draft is not None else (model,)
         for m in self.models:  # sliding layers' rolling caches: the idle positions in slots of their own
             m.setup_caches(max_batch_size, max_seq_length, **self.cache_layout(prefill_chunk, self.k))
@@ -414,24 +420,37 @@ class Engine:
         self.counts["set_aside_tokens"] += held
 
     def prefill_chunk_of_prompts(self):
-        """Prefills up to prefill_chunk prompt tokens of the prefilling rows, oldest first (a prompt scored whole,
-        in one piece); a row first copies what another slot holds of its prompt. Pieces of several rows go in one
-        call (prefill_groups)."""
-        budget, pieces = self.prefill_chunk, []
+        """Prefills up to prefill_chunk prompt tokens of the prefilling rows, each row first copying what another
+        slot holds of its prompt. Prompts whose rest fits go first, whole: their streams start this turn. Fitting
+        means within prefill_chunk_while_decoding tokens if rows already decode in this turn, else within
+        prefill_chunk. The others follow, oldest first, each in a piece of what is left, but in a turn with
+        streams (already decoding or starting in it) the pieces that do not end a prompt stop once the turn holds
+        prefill_chunk_while_decoding tokens: every stream waits for the whole turn. A prompt scored whole goes in
+        one piece. Pieces of several rows go in one call (prefill_groups)."""
+        streams = any(self.decoding(i) for i in range(len(self.slots)))
+        fits = self.prefill_chunk_while_decoding if streams else self.prefill_chunk
+        used, pieces = 0, []
         for row in list(self.prefilling):
-            c = self.slots[row]
-            if c.cancelled:
+            if self.slots[row].cancelled:
                 self.finish(row)
-                continue
-            if budget <= 0:
-                break
-            if not c.score_prompt:
+            elif not self.slots[row].score_prompt:
                 self.copy_prefix(row)
-                if self.older_row_prefills_more(row):
-                    continue
+        for row in sorted(self.prefilling, key=lambda r: len(self.slots[r].ids) - len(self.cached[r]) > fits):
+            c = self.slots[row]
+            if used >= self.prefill_chunk:
+                break
+            if not c.score_prompt and self.older_row_prefills_more(row):
+                continue
             start = len(self.cached[row])
-            end = len(c.ids) if c.score_prompt else min(len(c.ids), start + budget)
-            budget -= end - start
+            if c.score_prompt or len(c.ids) - start <= min(fits, self.prefill_chunk - used):
+                end, streams = len(c.ids), True
+            else:
+                end = min(
+                    len(c.ids), start + (self.prefill_chunk_while_decoding if streams else self.prefill_chunk) - used
+                )
+                if end <= start:
+                    continue
+            used += end - start
             if end == start + 1 == len(c.ids) and self.joins_decode(c):
                 self.start_sampling(row, c)
                 self.prefilling.remove(row)

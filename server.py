@@ -124,6 +124,8 @@ def make_app(app_state: AppState) -> FastAPI:
             "prefilling_slots": len(engine.prefilling),
             "slots": len(engine.slots),
             "max_seq_length": engine.horizon + 1,
+            "prefill_chunk": engine.prefill_chunk,
+            "prefill_chunk_while_decoding": engine.prefill_chunk_while_decoding,
             "waiting": engine.waiting.qsize(),
             "speculation": None if engine.speculation is None else engine.speculation_figures(),
             **engine.kv_cache_figures(),
@@ -405,7 +407,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="positions per slot, prompt plus reply (default: the model's context, or what the budget holds)",
     )
     arg("--max_queue", type=int, default=64, help="requests waiting for a slot before new ones get 429")
-    arg("--prefill_chunk", type=int, default=256, help="prompt tokens prefilled between two decode steps")
+    arg("--prefill_chunk", type=int, default=256, help="prompt tokens a turn of the engine prefills")
+    arg(
+        "--prefill_chunk_while_decoding",
+        type=int,
+        default=None,
+        help="prompt tokens of long prompts a turn prefills while other requests decode (default and at most "
+        "--prefill_chunk): their streams wait for the turn, so fewer keep their pauses shorter while a long prompt "
+        "enters, and that prompt's first token later",
+    )
     arg(
         "--stream_interval",
         type=int,
@@ -437,7 +447,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ngram and args.draft_checkpoint_path is not None:
         p.error("--ngram drafts from the context, --draft_checkpoint_path with a draft model: choose one")
-    for name in ("max_batch_size", "max_queue", "prefill_chunk", "stream_interval", "speculate_k"):
+    for name in (
+        "max_batch_size",
+        "max_queue",
+        "prefill_chunk",
+        "prefill_chunk_while_decoding",
+        "stream_interval",
+        "speculate_k",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
     if not 0 <= args.http_nice <= 19:
@@ -546,6 +563,7 @@ def main(argv=None):
             vocabulary,
             args.prefill_chunk,
             args.ngram,
+            prefill_chunk_while_decoding=args.prefill_chunk_while_decoding,
         )
         if args.compile or speculative:  # compiles the steps; measures the speculative rounds' costs
             engine.warm_up()

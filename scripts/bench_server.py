@@ -175,6 +175,11 @@ def ours_command(args, port: int, *flags: str) -> list[str]:
         args.kernels,
         *(["--kv_cache_dtype", args.kv_cache_dtype] if args.kv_cache_dtype else []),
         *(["--prefill_chunk", str(args.prefill_chunk)] if args.prefill_chunk is not None else []),
+        *(
+            ["--prefill_chunk_while_decoding", str(args.prefill_chunk_while_decoding)]
+            if args.prefill_chunk_while_decoding is not None
+            else []
+        ),
         *(["--stream_interval", str(args.stream_interval)] if args.stream_interval != 1 else []),
         *(["--http_nice", str(args.http_nice)] if args.http_nice is not None else []),
         *flags,
@@ -359,6 +364,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--prefill_chunk", type=int, default=None, help="server.py's: prompt tokens per step (default: its default)"
     )
+    p.add_argument(
+        "--prefill_chunk_while_decoding",
+        type=int,
+        default=None,
+        help="server.py's: prompt tokens per step while others decode (default: its default)",
+    )
     p.add_argument("--stream_interval", type=int, default=1, help="server.py's: a stream's tokens per chunk")
     p.add_argument("--http_nice", type=int, default=None, help="server.py's (default: its default)")
     p.add_argument("--port", type=int, default=8765, help="server.py's; llama-server's is the next")
@@ -369,8 +380,9 @@ def parse_args(argv=None):
         p.error("--clients, --requests, --rounds, --max_tokens and --stream_interval must be positive")
     if args.http_nice is not None and not 0 <= args.http_nice <= 19:
         p.error(f"--http_nice must be in 0..19, got {args.http_nice}")
-    if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        p.error(f"--prefill_chunk must be positive, got {args.prefill_chunk}")
+    for name in ("prefill_chunk", "prefill_chunk_while_decoding"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
     if not set(args.workloads) <= {"chat", "mixed", "edit"}:
         p.error(f"--workloads: of chat, mixed and edit, got {','.join(args.workloads)}")
     if args.llama_server is not None and not os.access(args.llama_server, os.X_OK):
@@ -426,6 +438,7 @@ def main(argv=None):
         f"{max(args.clients)} slots of {args.max_seq_length}, KV cache {args.kv_cache_dtype or 'in the model dtype'} "
         f"(llama-server: {LLAMA_CACHE_TYPES.get(args.kv_cache_dtype, 'f16')})"
         f"{'' if args.prefill_chunk is None else f', prefill chunk {args.prefill_chunk}'}"
+        f"{'' if (n := args.prefill_chunk_while_decoding) is None else f', prefill chunk while decoding {n}'}"
         f"{'' if args.stream_interval == 1 else f', server.py --stream_interval {args.stream_interval}'}"
         f"{'' if args.http_nice is None else f', server.py --http_nice {args.http_nice}'}, "
         f"{args.rounds} rounds a row; "

@@ -154,6 +154,7 @@ CASES = [
     ("server", None, ["--kv_cache_memory", "10000", "--max_batch_size", "10000000"], "free"),
     ("server", None, ["--max_batch_size", "0"], "--max_batch_size"),
     ("server", None, ["--max_seq_length", "1"], "--max_seq_length"),
+    ("server", None, ["--prefill_chunk_while_decoding", "0"], "--prefill_chunk_while_decoding"),
     ("server", None, ["--http_nice", "20"], "--http_nice"),
     ("server", None, ["--http_nice", "-1"], "--http_nice"),  # a raised priority needs privileges
     # generate.py: the checkpoint folder's files

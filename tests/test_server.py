@@ -766,12 +766,24 @@ def test_a_choices_events_reach_the_request_in_groups_of_the_stream_interval():
 
 
 def test_a_stream_interval_sends_the_same_text(chat_checkpoint, reference, tmp_path):
-    """server.py --stream_interval 3 --http_nice 7: concurrent streams (n = 2 choices each) get the greedy text of
+    """server.py --stream_interval 3 --http_nice 7 --prefill_chunk 8 --prefill_chunk_while_decoding 3: concurrent
+    streams (n = 2 choices each), whose prompts enter 3 tokens a turn while others decode, get the greedy text of
     the model alone, and the inter-token latency metric still counts each token after the first. The HTTP thread
     runs at nice 7 (on Linux, where nice is per thread), the engine's thread at 0."""
-    flags = ("--stream_interval", "3", "--http_nice", "7")
+    flags = (
+        "--stream_interval",
+        "3",
+        "--http_nice",
+        "7",
+        "--prefill_chunk",
+        "8",
+        "--prefill_chunk_while_decoding",
+        "3",
+    )
     process, url, log = start_server(chat_checkpoint / "model.pth", tmp_path, *flags)
     try:
+        health = httpx.get(url + "/health").json()
+        assert (health["prefill_chunk"], health["prefill_chunk_while_decoding"]) == (8, 3)
         if sys.platform == "linux":
             # /proc/PID/task/TID/stat: the 19th field is the nice value (counted after the name in parentheses)
             tasks = Path(f"/proc/{process.pid}/task")
@@ -1092,10 +1104,11 @@ def test_a_server_sizes_its_slots_to_its_kv_cache_budget(chat_checkpoint, tmp_pa
         assert (health["slots"], health["max_seq_length"]) == (3, 256)
         assert health["kv_cache_bytes"] == 3 * 256 * per_position and health["kv_cache_positions"] == 3 * 256
         assert health["kv_cache_budget_bytes"] == int(gib * 2**30)
+        assert (health["prefill_chunk"], health["prefill_chunk_while_decoding"]) == (256, 256)  # the defaults
         assert "3 slots of 256 positions" in open(log.name).read()
         r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 257, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 30, "max_tokens": 4})
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 30, "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         samples = metric_samples(url)
         assert samples[("gptfast_kv_cache_positions", ())] == 768 and samples[("gptfast_slots", ())] == 3
@@ -1169,35 +1182,75 @@ def test_an_int8_kv_cache_serves_each_request_as_alone(long_checkpoint):
 
 
 def test_a_long_prompt_enters_in_chunks_between_decode_steps_of_a_running_stream(long_checkpoint):
-    """A 1,500-token prompt arriving while a stream runs enters in chunks of 256 tokens, with a decode step of the
-    running stream between each two (the engine's step log); both get their greedy text alone."""
+    """A 1,500-token prompt arriving while a stream runs enters in chunks: of 256 tokens (prefill_chunk) by default,
+    and with prefill_chunk_while_decoding 64, of 64 while the stream runs and of 256 once it has ended. A decode step
+    of the running stream comes between each two of its chunks (the engine's step log); both get their greedy text
+    alone."""
     tokenizer = load_tokenizer(long_checkpoint)
-    rng = random.Random(1)
-    engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 2, 2048, Steps(), 8)
-    running = greedy_choice(0, random_ids(rng, 20), 60)
+    alone = load_model(long_checkpoint / "model.pth")
+    for while_decoding, max_tokens in ((None, 60), (64, 12)):
+        rng = random.Random(1)
+        model = load_model(long_checkpoint / "model.pth")
+        engine = Engine(model, tokenizer, 2, 2048, Steps(), 8, prefill_chunk_while_decoding=while_decoding)
+        running = greedy_choice(0, random_ids(rng, 20), max_tokens)
+        engine.submit([running])
+        engine.step()
+        assert running.tokens, "one turn prefills a short prompt and decodes"
+        long = greedy_choice(1, random_ids(rng, 1500), 5)
+        engine.submit([long])
+        run_steps(engine, [running, long])
+        log = list(engine.steps_taken)
+        streaming_row = log[0][1]
+        chunks = [i for i, step in enumerate(log) if step[0] == "prefill" and step[1] != streaming_row]
+        beside_stream = [log[i + 1][0] == "decode" and streaming_row in log[i + 1][1] for i in chunks]
+        sizes = [log[i][2] for i in chunks]
+        assert sum(sizes) == 1500
+        if while_decoding is None:
+            assert sizes == [256] * 5 + [220] and all(beside_stream), log
+        else:  # the stream decodes beside the first chunks, one a turn, until it ends
+            beside = beside_stream.count(True)
+            assert beside >= 3 and beside_stream == [True] * beside + [False] * (len(chunks) - beside), str(log)
+            assert sizes[:beside] == [64] * beside and sizes[beside:-1] == [256] * (len(chunks) - beside - 1), sizes
+        for c in (running, long):
+            assert c.tokens == Stream(alone, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]
+
+
+def test_a_short_prompt_arriving_while_a_long_one_enters_starts_at_the_next_turn(long_checkpoint):
+    """With prefill_chunk_while_decoding 64, a 10-token prompt arriving while a 1,500-token one enters beside a
+    running stream is prefilled whole in the next turn, the long prompt's piece in that turn shrinking to the 54
+    tokens left, and its stream decodes from then on; all three get their greedy text alone."""
+    tokenizer = load_tokenizer(long_checkpoint)
+    rng = random.Random(3)
+    engine = Engine(
+        load_model(long_checkpoint / "model.pth"), tokenizer, 4, 2048, Steps(), 8, prefill_chunk_while_decoding=64
+    )
+    running, long = greedy_choice(0, random_ids(rng, 20), 30), greedy_choice(1, random_ids(rng, 1500), 3)
     engine.submit([running])
     engine.step()
-    assert running.tokens, "one turn prefills a short prompt and decodes"
-    long = greedy_choice(1, random_ids(rng, 1500), 5)
     engine.submit([long])
-    run_steps(engine, [running, long])
-    log = list(engine.steps_taken)
-    streaming_row = log[0][1]
-    chunks = [i for i, step in enumerate(log) if step[0] == "prefill" and step[1] != streaming_row]
-    assert [log[i][2] for i in chunks] == [256] * 5 + [220]
-    for a, b in zip(chunks, chunks[1:]):
-        assert any(step[0] == "decode" and streaming_row in step[1] for step in log[a + 1 : b]), log[a : b + 1]
+    for _ in range(3):
+        engine.step()
+    short = greedy_choice(2, random_ids(rng, 10), 4)
+    engine.submit([short])
+    taken = len(engine.steps_taken)
+    engine.step()
+    rows = {c.index: next(r for r, s in enumerate(engine.slots) if s is c) for c in (running, long, short)}
+    turn = list(engine.steps_taken)[taken:]
+    assert turn[:2] == [("prefill", rows[2], 10), ("prefill", rows[1], 54)], turn
+    assert turn[2][0] == "decode" and {rows[0], rows[2]} <= set(turn[2][1]), turn
+    run_steps(engine, [running, long, short])
     alone = load_model(long_checkpoint / "model.pth")
-    for c in (running, long):
+    for c in (running, long, short):
         assert c.tokens == Stream(alone, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0]
 
 
 def test_long_prompts_gather_in_one_group_of_rows_with_a_window_of_its_own(long_checkpoint):
-    """Eight slots attend in two groups of four (decode.window_groups). Of eight requests arriving together, the
-    first and the fifth carry 300-token prompts: rows swap slots so that both are in one group, and all prefill in
-    arrival order. A third 300-token prompt, coming later into the slot a short request of the other group left,
-    joins them there, swapping with a running stream. The other group's steps attend to a window of its short
-    rows' length, and every answer (but the one left) equals the answer alone."""
+    """Eight slots attend in two groups of four (decode.window_groups). Of eight requests arriving together, the first
+    and the fifth carry 300-token prompts: rows swap slots so that both are in one group, and the short prompts
+    (each fitting in a turn's budget) prefill first, then the long ones, each kind in arrival order. A third
+    300-token prompt, coming later into the slot a short request of the other group left, joins them there, swapping
+    with a running stream. The other group's steps attend to a window of its short rows' length, and every answer
+    (but the one left) equals the answer alone."""
     tokenizer = load_tokenizer(long_checkpoint)
     rng = random.Random(5)
     engine = Engine(load_model(long_checkpoint / "model.pth"), tokenizer, 8, 2048, Steps(), 8, prefill_chunk=32)
@@ -1217,7 +1270,8 @@ def test_long_prompts_gather_in_one_group_of_rows_with_a_window_of_its_own(long_
             break
     assert rows[0] // 4 == rows[4] // 4 and sorted(rows) == list(range(8))
     turns = [first_turn[r] for r in rows]
-    assert turns == sorted(turns) and turns[0] < turns[1] < turns[4], "prefilled in arrival order"
+    short, long = [t for t, n in zip(turns, lengths) if n == 10], [t for t, n in zip(turns, lengths) if n == 300]
+    assert short == sorted(short) and max(short) <= min(long) and long[0] < long[1], turns
     left = next(c for c, r in zip(choices, rows) if r // 4 != rows[0] // 4)
     left.cancelled = True  # its client went away
     while holds(engine, left):
