@@ -91,6 +91,15 @@ def prefill(
     return sample(at_end, s, greedy, n_logprobs)
 
 
+def fill_piece(model, x: Tensor, input_pos: Tensor, cache_rows: Tensor, window: Window) -> Tensor:
+    # x: [B, S] prompt tokens in cache slots input_pos [B, S] of cache rows cache_rows [B], attending to the window's
+    # slots (as decode_one_token's: marked dynamic, one compiled graph serves every length) -> the last position's
+    # logits [B, 1, vocab], which nobody reads: a piece that does not end its prompt only writes keys and values. A
+    # server's engine runs it compiled at one width, a long prompt's piece a turn beside its streams. (A compiled
+    # function whose output depends on nothing drops the layers and their cache writes.)
+    return model(x, input_pos, last_only=True, cache_rows=cache_rows, kv_length=kv_length(window), fused_rows=0)
+
+
 def prefill_and_score(model, x, input_pos, left_pad, s, greedy, n_logprobs, n_top, cache_rows=None, kv_length=None):
     # prefill, from every position's logits, also scoring the prompt: -> first new token [B, 1], its log-probs, and
     # (x[:, 1:]'s log-probs [B, S - 1, 1], the top n_top's values and ids [B, S - 1, n_top]) under the model.
@@ -181,6 +190,7 @@ class Steps(NamedTuple):
     decode: Callable = decode_one_token
     draft: Callable = draft_step
     verify: Callable = verify_step
+    fill: Callable = fill_piece
 
 
 def inductor_cache_dir() -> Path:
@@ -205,8 +215,9 @@ def skip_unchanged_modules(compiled):
 
 
 def compile_steps(device: torch.device, decode: bool = True, prefill: bool = False) -> Steps:
-    """Steps with the decode-shaped steps (decode, draft, verify) and/or the prefill compiled; each compiles on
-    first use, with inductor's cache in inductor_cache_dir(). CUDA graphs ("reduce-overhead") exist on CUDA only."""
+    """Steps with the decode-shaped steps (decode, draft, verify, and a server's fill of prompt pieces at one width)
+    and/or the prefill compiled; each compiles on first use, with inductor's cache in inductor_cache_dir(). CUDA
+    graphs ("reduce-overhead") exist on CUDA only."""
     # inductor reads its folder from the environment when it compiles (and writes it there itself); the processes
     # we start inherit it.
     if decode or prefill:
@@ -230,6 +241,7 @@ def compile_steps(device: torch.device, decode: bool = True, prefill: bool = Fal
         for name in ("decode", "draft", "verify"):
             compiled = torch.compile(getattr(eager, name), fullgraph=True, dynamic=False, **step)
             steps[name] = functools.partial(skip_unchanged_modules(compiled), fused_rows=FUSED_ROWS)
+        steps["fill"] = skip_unchanged_modules(torch.compile(eager.fill, fullgraph=True, dynamic=False, **step))
     if prefill:
         # Static at the first prompt length, dynamic from the second (dynamic=True from the first would make the
         # layers' float attributes symbolic, which a layer compiled once for all cannot guard on).

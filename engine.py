@@ -37,8 +37,10 @@ from llguidance import LLMatcher, LLTokenizer
 from chat import cached_prefix
 from decode import (
     VECTOR_STEP,
+    attention_window,
     attention_windows,
     draft_and_verify,
+    fill_piece,
     kv_length,
     prefill,
     prefill_and_score,
@@ -202,9 +204,10 @@ class Engine:
     def warm_up(self):
         """Runs every step the server may take at every batch size, greedy and sampled: the decode step, and with
         speculation a round of each depth (depths), so that compiled steps compile them all before serving
-        (seconds to minutes each) rather than while requests wait; log-probs compile when first asked for. Then
-        measures the rounds' costs, unless given. Idle rows write at positions no request reaches, so this changes
-        no slot."""
+        (seconds to minutes each) rather than while requests wait; log-probs compile when first asked for; and the
+        fill of a long prompt's pieces beside streams. Then measures the rounds' costs, unless given. Idle rows
+        write at positions no request reaches, and the fill into the last slot, before it serves: this changes no
+        slot that holds a request."""
         for n in self.batch_sizes:
             for greedy in (True, False):
                 start = time.perf_counter()
@@ -217,6 +220,14 @@ class Engine:
                     "greedy" if greedy else "sampled",
                     time.perf_counter() - start,
                 )
+        for width in self.fill_widths():  # a long prompt's pieces, into the last slot
+            start = time.perf_counter()
+            x = torch.zeros(1, width, dtype=torch.long, device=self.device)
+            row = torch.tensor([len(self.slots) - 1], device=self.device)
+            self.fill(x, torch.arange(width, device=self.device)[None], row, width)
+            self.cached[-1], self.draft_cached[-1] = [], 0  # its first positions hold the warm-up's piece now
+            synchronize(self.device)
+            log.info("prompt pieces of %d tokens: ready in %.1f s", width, time.perf_counter() - start)
         if self.k and self.round_costs is None:
             self.measure_round_costs()
 
@@ -549,8 +560,10 @@ class Engine:
         last = None if n == 1 else torch.tensor([e - s - 1 for s, e in zip(starts, ends)], device=self.device)
         cache_rows = torch.tensor(rows, device=self.device)
         args = (self.model, x, positions, self.no_pad[:n], self.state_rows(cache_rows), greedy)
-        prompt = None
-        if choices[0].score_prompt:  # alone, whole
+        prompt, token = None, None
+        if not final:  # pieces only: keys and values, nothing to sample
+            self.fill(x, positions, cache_rows, max(ends))
+        elif choices[0].score_prompt:  # alone, whole
             c = choices[0]
             token, logprobs, scored = prefill_and_score(
                 *args, c.top_logprobs, c.top_logprobs, cache_rows=cache_rows, kv_length=ends[0]
@@ -559,8 +572,9 @@ class Engine:
         else:
             kv_length = max(starts) + width
             token, logprobs = prefill(*args, n_logprobs, cache_rows=cache_rows, kv_length=kv_length, last=last)
-        host = token[:, 0].tolist()
-        logprobs = None if logprobs is None else step_logprobs(logprobs, host)
+        if token is not None:
+            host = token[:, 0].tolist()
+            logprobs = None if logprobs is None else step_logprobs(logprobs, host)
         for i, (row, c, start, end) in enumerate(zip(rows, choices, starts, ends)):
             if self.draft is not None:  # from the first position its cache lacks
                 since = self.draft_cached[row]
@@ -586,6 +600,20 @@ class Engine:
             self.tokens[row], self.last[row] = host[i], host[i]
             self.emit(row, host[i], None if logprobs is None else logprobs[i], prompt)
         self.counts["prefill_chunks"] += 1
+
+    def fill_widths(self) -> list[int]:
+        """The widths of the pieces a long prompt enters by, a row at a time (prefill_chunk, and
+        prefill_chunk_while_decoding beside streams), that a prompt in a slot can have."""
+        return sorted(w for w in {self.prefill_chunk, self.prefill_chunk_while_decoding} if w < self.context)
+
+    def fill(self, x: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor, end: int):
+        """Pieces of prompts that end none of them, x [B, S] at positions [B, S] of cache rows cache_rows, attending
+        to the slots before end (their last real position's, padding aside): through the steps' fill (compiled: a
+        graph a width) where it is one row's piece of one of the fill_widths, what a long prompt enters by; else
+        eagerly."""
+        piece = x.shape[0] == 1 and x.shape[1] in self.fill_widths()
+        window = attention_window(end - 1, self.horizon + 1, self.device)
+        (self.steps.fill if piece else fill_piece)(self.model, x, positions, cache_rows, window)
 
     def start_sampling(self, row: int, choice: Choice):
         """The row's sampling state becomes choice's, for its first token (a decode step reads every row's state,

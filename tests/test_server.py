@@ -1027,6 +1027,47 @@ def test_compiled_engine_batches_without_recompiling(tiny_checkpoint):
     assert counters["stats"]["unique_graphs"] == 0
 
 
+def test_compiled_engine_fills_long_prompts_in_pieces_of_its_two_widths(tiny_checkpoint):
+    """Compiled, warm_up compiles the fill of a long prompt's pieces at both widths (prefill_chunk 48, 16 beside
+    streams). A 180-token prompt arriving beside a running stream enters in pieces of 16 while it runs and of 48
+    once it has ended, the last piece (which samples) eagerly; nothing compiles while serving, and both get their
+    greedy text alone. (A compiled fill whose output nobody uses would drop its cache writes: the long prompt's
+    text would not be its own.)"""
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    engine = Engine(
+        load_model(tiny_checkpoint / "model.pth"),
+        tokenizer,
+        2,
+        256,
+        compile_steps(torch.device("cpu")),
+        8,
+        prefill_chunk=48,
+        prefill_chunk_while_decoding=16,
+    )
+    torch._dynamo.reset()  # the graphs of the engines before with the same cache shapes, which it would reuse
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    engine.warm_up()
+    assert engine.fill_widths() == [16, 48]
+    assert counters["stats"]["unique_graphs"] == 2 * len([1, 2]) + 2 and not counters["graph_break"]
+    counters.clear()
+    rng = random.Random(7)
+    running, long = greedy_choice(0, random_ids(rng, 10), 4), greedy_choice(1, random_ids(rng, 180), 8)
+    engine.submit([running])
+    engine.step()
+    engine.submit([long])
+    run_steps(engine, [running, long])
+    row = next(step[1] for step in engine.steps_taken if step[0] == "prefill" and step[2] == 16)
+    sizes = [step[2] for step in engine.steps_taken if step[0] == "prefill" and step[1] == row]
+    assert sum(sizes) == 180 and 16 in sizes and 48 in sizes and set(sizes[:-1]) <= {16, 48}, sizes
+    assert counters["stats"]["unique_graphs"] == 0
+    alone = load_model(tiny_checkpoint / "model.pth")
+    for c in (running, long):
+        assert_same_greedy(
+            alone, c.ids, c.tokens, Stream(alone, tokenizer, c.ids, c.max_tokens).run().raw_tokens[0], 1e-3
+        )
+
+
 def run_wave(engine, tokenizer, prompts, lengths, params, matchers=None, predictions=None) -> list[str]:
     """Submits one choice per prompt (text or token ids) to a running engine at once; their texts."""
     events = queue.Queue()
@@ -1580,6 +1621,7 @@ def test_compiled_speculative_engine_compiles_only_before_serving(tiny_checkpoin
     model, draft = load_model(tiny_checkpoint / "model.pth"), load_model(unrelated_draft)
     tokenizer = load_tokenizer(tiny_checkpoint)
     steps = compile_steps(torch.device("cpu"))
+    torch._dynamo.reset()  # the graphs of the engines before with the same cache shapes, which it would reuse
     engine = Engine(model, tokenizer, 2, 256, steps, 8, draft, speculate_k=3, round_costs=deepest(2, 3))
     counters = torch._dynamo.utils.counters
     counters.clear()
