@@ -225,7 +225,6 @@ class Engine:
             x = torch.zeros(1, width, dtype=torch.long, device=self.device)
             row = torch.tensor([len(self.slots) - 1], device=self.device)
             self.fill(x, torch.arange(width, device=self.device)[None], row, width)
-            self.cached[-1], self.draft_cached[-1] = [], 0  # its first positions hold the warm-up's piece now
             synchronize(self.device)
             log.info("prompt pieces of %d tokens: ready in %.1f s", width, time.perf_counter() - start)
         if self.k and self.round_costs is None:
