@@ -7,20 +7,21 @@
     python scripts/bench_server.py --checkpoint_path checkpoints/Qwen2.5-Coder-1.5B-Instruct/model_int8.pth \
         --workloads edit --clients 4 --requests 1 --max_tokens 256 --no-ignore_eos --ngram   # prompt lookup
 
-Workloads (--workloads): "chat": C clients each send --requests streamed chat requests in turn, on a connection of
-their own (different questions, greedy, --max_tokens tokens: ignore_eos, as both servers take it, so that both do the
-same work even where their greedy texts part), all starting together; "mixed": the same, but the requests of every
-fourth client (the first, the fifth, ...) begin with a document of --document_tokens tokens, a long prompt entering
-while the other streams run. Each row: total tokens/s (completion tokens of all requests / wall time from the first
-request sent to the last answer, both summed over the rounds), time to first token (TTFT: from sending a request to
-its first streamed text) p50 and p95, the largest gap between two pieces of text of one stream, and the streams'
-decode rate (tokens after the first / time from the first to the last). "edit": every request is
-speculative_demo.py's code edit (a 160-line file, "rename a method, return the whole file"), what prompt lookup speeds
-up: with --ngram, server.py --ngram runs every row too, its ratio against server.py's.
+Workloads (--workloads): "chat": C clients each send --requests streamed chat requests in turn, on a connection of their
+own (different questions, greedy, --max_tokens tokens: ignore_eos, as both servers take it, so that both do the same
+work even where their greedy texts part), all starting together; "mixed": the same, but the requests of every fourth
+client (the first, the fifth, ...) begin with a document of --document_tokens tokens, a long prompt entering while the
+other streams run: those clients start once every other client's first reply streams. Each row: total tokens/s
+(completion tokens of all requests / wall time from the first request sent to the last answer, both summed over the
+rounds), time to first token (TTFT: from sending a request to its first streamed text) p50 and p95, the largest gap
+between two pieces of text of one stream, and the streams' decode rate (tokens after the first / time from the first to
+the last). "edit": every request is speculative_demo.py's code edit (a 160-line file, "rename a method, return the whole
+file"), what prompt lookup speeds up: with --ngram, server.py --ngram runs every row too, its ratio against server.py's.
 
-llama-server (build it as docs/serving.md says) serves the GGUF the checkpoint came from (--gguf) at the checkpoint's
+llama-server (build it as README says) serves the GGUF the checkpoint came from (--gguf) at the checkpoint's
 precision (float32: F32, int8: Q8_0, int4: Q4_1, a checkpoint of GGUF blocks: the GGUF's own type; llama.cpp makes
-the copy), with as many slots, the same context per slot and the same threads, continuous batching. server.py runs
+the copy: the llama-quantize built beside llama-server, else llama-cpp-python), with as many slots, the same context
+per slot and the same threads, continuous batching. server.py runs
 with --max_batch_size the most clients. Both servers are up together, each idle while the other is measured. Each
 row runs its load --rounds times on each server, the order of the servers reversed every other round (server.py,
 llama-server, llama-server, server.py, ...), so that the host's drift over a row weighs on both alike; a row's
@@ -120,14 +121,18 @@ def summary(server: str, workload: str, clients: int, wall: float, answers: list
     }
 
 
+def carries_document(workload: str, c: int) -> bool:
+    """Whether client c's requests begin with the mixed load's document."""
+    return workload == "mixed" and c % 4 == 0
+
+
 def requests_of(workload: str, clients: int, per_client: int, document: str) -> list[list[str]]:
     """Client c's messages, in the order it sends them."""
     if workload == "edit":
         return [[WORKLOADS["code edit"].format(file=EDITED_FILE.read_text())] * per_client for _ in range(clients)]
     return [
         [
-            (document + "\n\n" if workload == "mixed" and c % 4 == 0 else "")
-            + QUESTIONS[(c + r * clients) % len(QUESTIONS)]
+            (document + "\n\n" if carries_document(workload, c) else "") + QUESTIONS[(c + r * clients) % len(QUESTIONS)]
             for r in range(per_client)
         ]
         for c in range(clients)
@@ -192,10 +197,15 @@ def peer_gguf(args) -> tuple[Path, str]:
     if quantization is not None and quantization.get("method") == "gguf":
         return args.gguf, gguf_file_type(args.gguf)
     kind = LLAMA_CPP_TYPES[quantization["mode"] if quantization else "float32"]
+    quantize = args.llama_server.with_name("llama-quantize")  # built beside llama-server (README)
+    quantize = quantize if os.access(quantize, os.X_OK) else None
     try:
-        return gguf_variant(args.gguf, kind, torch.get_num_threads()), kind
+        return gguf_variant(args.gguf, kind, torch.get_num_threads(), quantize), kind
     except ImportError:
-        raise ValueError(f"a {kind} copy of {args.gguf} is made by llama.cpp: pip install llama-cpp-python") from None
+        raise ValueError(
+            f"a {kind} copy of {args.gguf} is made by llama.cpp: build llama-quantize beside {args.llama_server} "
+            "(README) or pip install llama-cpp-python"
+        ) from None
 
 
 def llama_server_command(args, port: int, gguf: Path) -> list[str]:
@@ -222,11 +232,18 @@ def llama_server_command(args, port: int, gguf: Path) -> list[str]:
     ]
 
 
-def one_request(http: httpx.Client, url: str, message: str, max_tokens: int, ignore_eos: bool = False) -> Answer:
+def one_request(
+    http: httpx.Client,
+    url: str,
+    message: str,
+    max_tokens: int,
+    ignore_eos: bool = False,
+    streaming: threading.Event | None = None,
+) -> Answer:
     """One streamed chat request on the client's connection, which stays open between its requests as an OpenAI SDK
     client's pool does (a connection per request would add its setup, on the same cores, to every TTFT). As that
     client does, a request the server closed the connection on before answering is sent again (llama-server closes
-    kept-alive connections at times); its TTFT counts from the first try."""
+    kept-alive connections at times); its TTFT counts from the first try. streaming is set at its first text."""
     body = {
         "messages": [{"role": "user", "content": message}],
         "max_tokens": max_tokens,
@@ -246,6 +263,8 @@ def one_request(http: httpx.Client, url: str, message: str, max_tokens: int, ign
                     chunk = json.loads(line[6:])
                     if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                         pieces.append(time.perf_counter())
+                        if streaming is not None:
+                            streaming.set()
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
             break
@@ -257,17 +276,26 @@ def one_request(http: httpx.Client, url: str, message: str, max_tokens: int, ign
 
 
 def run_clients(url: str, workload: str, clients: int, args, document: str) -> tuple[float, list[Answer]]:
-    """The load on one server: its wall time and its answers."""
-    answers = []
+    """The load on one server: its wall time and its answers. A client whose requests carry the document starts once
+    every other client's first reply streams, so that the document enters while streams run on either server (sent
+    all at once, which request a server read first decided whether any stream was running when the document came)."""
+    answers, streaming = [], [threading.Event() for _ in range(clients)]
 
-    def client(messages):
+    def client(c: int, messages: list[str]):
+        if carries_document(workload, c):
+            for other, event in enumerate(streaming):
+                if not carries_document(workload, other):
+                    event.wait()
         with httpx.Client(timeout=600) as http:
-            for message in messages:
-                answers.append(one_request(http, url, message, args.max_tokens, args.ignore_eos))
+            try:
+                for r, message in enumerate(messages):
+                    event = streaming[c] if r == 0 else None
+                    answers.append(one_request(http, url, message, args.max_tokens, args.ignore_eos, event))
+            finally:  # a client that failed holds no one back
+                streaming[c].set()
 
-    threads = [
-        threading.Thread(target=client, args=(m,)) for m in requests_of(workload, clients, args.requests, document)
-    ]
+    messages = requests_of(workload, clients, args.requests, document)
+    threads = [threading.Thread(target=client, args=(c, m)) for c, m in enumerate(messages)]
     start = time.perf_counter()
     for t in threads:
         t.start()

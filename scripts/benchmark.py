@@ -310,21 +310,30 @@ def gguf_file_type(path: Path) -> str:
     return gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
-def gguf_variant(source: Path, kind: str, threads: int) -> Path:
-    """source requantized to llama.cpp type `kind` (cached beside it), made by llama.cpp itself; source itself
-    when it is of that type."""
-    import llama_cpp
-
+def gguf_variant(source: Path, kind: str, threads: int, quantize: Path | None = None) -> Path:
+    """source requantized to llama.cpp type `kind` (cached beside it), made by llama.cpp itself: by its
+    llama-quantize binary where given, else by llama-cpp-python; source itself when it is of that type."""
     if kind == gguf_file_type(source):
         return source
     out = source.with_name(f"{source.stem}.bench-{kind}.gguf")
-    if not out.is_file():
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(".tmp")
+    if quantize is not None:
+        command = [str(quantize), "--allow-requantize", str(source), str(tmp), kind, str(threads)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+            raise ValueError(f"{quantize} could not make a {kind} copy of {source}: {last[0]}")
+    else:
+        import llama_cpp
+
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.allow_requantize, params.nthread = LLAMA_FTYPES[kind], True, threads
-        tmp = out.with_suffix(".tmp")
         if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not make a {kind} copy of {source}")
-        os.replace(tmp, out)
+            raise ValueError(f"llama.cpp could not make a {kind} copy of {source}")
+    os.replace(tmp, out)
     return out
 
 

@@ -5,11 +5,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
+import gguf
 import pytest
 import torch
 
-from benchmark import Config, Entry, chart_bars, slower_configurations, table, time_rounds
+from bench_server import requests_of, run_clients
+from benchmark import Config, Entry, chart_bars, gguf_variant, slower_configurations, table, time_rounds
 from conftest import ROOT
 from quantize import quantize_checkpoint
 
@@ -214,3 +220,72 @@ def test_start_times_generate_in_new_processes(tiny_checkpoint):
     assert f"| {row['first_start_s']:.1f} | {row['start_s']:.1f} |" in result.stdout
     assert sorted(p.name for p in tiny_checkpoint.iterdir()) == before
     assert "--start runs generate.py on a checkpoint" in run_benchmark("--shape", "smollm2-135m", "--start").stderr
+
+
+def test_gguf_variant_by_llama_quantize(tmp_path):
+    """A llama-quantize binary makes the copy: called as llama.cpp documents it (--allow-requantize, source, output,
+    type, threads), its output moved into place whole, then reused; a failure raises its last line and leaves no
+    file behind; a source already of the type is its own copy."""
+    source = tmp_path / "model.Q4_1.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    calls = tmp_path / "calls"
+    quantize = tmp_path / "llama-quantize"
+    quantize.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n[ "$4" = Q8_0 ] || {{ echo "bad type $4" >&2; exit 1; }}\necho made > "$3"\n'
+    )
+    quantize.chmod(0o755)
+
+    copy = gguf_variant(source, "Q8_0", 2, quantize)
+    assert copy == tmp_path / "model.Q4_1.bench-Q8_0.gguf" and copy.read_text() == "made\n"
+    assert calls.read_text().split() == ["--allow-requantize", str(source), str(copy.with_suffix(".tmp")), "Q8_0", "2"]
+    assert gguf_variant(source, "Q8_0", 2, quantize) == copy and len(calls.read_text().splitlines()) == 1
+    with pytest.raises(ValueError, match="could not make a F32 copy .*: bad type F32"):
+        gguf_variant(source, "F32", 2, quantize)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calls", "llama-quantize", copy.name, source.name]
+    assert gguf_variant(source, "Q4_1", 2, quantize) == source and len(calls.read_text().splitlines()) == 2
+
+
+def test_mixed_load_sends_the_document_once_the_other_streams_run():
+    """bench_server's mixed load: the clients whose requests carry the document send them only after every other
+    client's first reply has begun to stream, so that the document enters beside running streams on any server."""
+    seen = []  # (what, whose request, when), in the order the stub server saw them
+
+    class Stub(BaseHTTPRequestHandler):
+        def do_POST(self):
+            message = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["messages"][0]["content"]
+            whose = "document" if message.startswith("DOC") else message
+            seen.append(("request", whose, time.perf_counter()))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(3):
+                time.sleep(0.05)
+                if i == 0:
+                    seen.append(("text", whose, time.perf_counter()))
+                chunk = {"choices": [{"delta": {"content": f"t{i}"}}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            usage = {"choices": [], "usage": {"completion_tokens": 3}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = SimpleNamespace(requests=2, max_tokens=3, ignore_eos=True)
+        _, answers = run_clients(f"http://127.0.0.1:{server.server_port}", "mixed", 4, args, "DOC")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(answers) == 8 and all(a.tokens == 3 for a in answers)
+    firsts = [messages[0] for messages in requests_of("mixed", 4, 2, "DOC")[1:]]  # the chat clients' first requests
+    first_texts = [when for what, whose, when in seen if what == "text" and whose in firsts]
+    documents = [when for what, whose, when in seen if what == "request" and whose == "document"]
+    assert len(first_texts) == 3 and len(documents) == 2 and min(documents) > max(first_texts)
