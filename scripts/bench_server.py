@@ -288,9 +288,8 @@ def run_clients(url: str, workload: str, clients: int, args, document: str) -> t
                     event.wait()
         with httpx.Client(timeout=600) as http:
             try:
-                for r, message in enumerate(messages):
-                    event = streaming[c] if r == 0 else None
-                    answers.append(one_request(http, url, message, args.max_tokens, args.ignore_eos, event))
+                for message in messages:
+                    answers.append(one_request(http, url, message, args.max_tokens, args.ignore_eos, streaming[c]))
             finally:  # a client that failed holds no one back
                 streaming[c].set()
 
