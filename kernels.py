@@ -36,6 +36,9 @@ AMX_WIDEN_ROWS = 48
 # (Kernels.packed_float, onednn_layout): given the plain weight, oneDNN reorders it into that layout at every call,
 # which at these rows costs about as much as the product; fewer rows fuse (compiled steps) or read the plain weight.
 PACKED_ROWS = 8
+# decode steps' attention of this many rows or more (one group's, model.Attention.attend) runs kernels_cpu.cpp's
+# decode_attention: its work is one item per row and KV head, too few for 2 threads to share evenly below
+NATIVE_ATTENTION_ROWS = 4
 NATIVE_SOURCE = Path(__file__).resolve().with_name("kernels_cpu.cpp")
 NATIVE_ISAS = ("scalar", "avx2", "avx2-vnni", "avx512", "avx512-vnni")  # kernels_cpu.cpp's isa argument, by index
 NATIVE_GROUP = 4  # output channels kernels_cpu.cpp interleaves (int8_native_layout, int4_native_layout)
@@ -108,7 +111,7 @@ def native_kernels() -> bool:
     except (OSError, subprocess.CalledProcessError, RuntimeError, ImportError) as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         print(
-            f"kernels: kernels_cpu.cpp did not build ({reason}); int8/int4 layers use the PyTorch paths",
+            f"kernels: kernels_cpu.cpp did not build ({reason}); the PyTorch paths run instead",
             file=sys.stderr,
         )
         return False
@@ -125,6 +128,7 @@ def native_kernels() -> bool:
     torch.library.register_fake("gpt_fast::int4_weights")(
         lambda packed: packed.new_empty(packed.shape[0] * NATIVE_GROUP, packed.shape[1] * 64, dtype=torch.bfloat16)
     )
+    torch.library.register_fake("gpt_fast::decode_attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape))
     return True
 
 
@@ -239,10 +243,10 @@ def int4_native_layout(codes: Tensor, block_scales: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Kernels:
-    """How a CPU runs the linear layers: a speed choice made once at load time (see choose), recorded in the
-    run's figures. Numerics follow from it: "fused" computes products of up to the caller's fused_rows rows (see
-    linear) in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they are vectorised for
-    bfloat16 only, so float32 is exact but far slower)."""
+    """How a CPU runs the linear layers and decode attention: a speed choice made once at load time (see choose),
+    recorded in the run's figures. Numerics follow from it: "fused" computes products of up to the caller's
+    fused_rows rows (see linear) in float32; ATen's int8/int4 kernels compute with kernel_activations (on x86 they
+    are vectorised for bfloat16 only, so float32 is exact but far slower)."""
 
     # few-row products with float weights, and a few queries' with the KV cache: "library" (BLAS) or "fused"
     float_matvec: str = "library"
@@ -267,6 +271,9 @@ class Kernels:
     prefetch_bytes: int = PREFETCH_BYTES
     # the weights copied into memory backed by 2 MiB pages where the loader places them (in_huge_pages)
     huge_pages: bool = False
+    # float32 decode steps' attention of this many rows or more by kernels_cpu.cpp (None: never; see
+    # runs_native_attention)
+    attention_rows: int | None = None
 
     @classmethod
     def choose(
@@ -295,8 +302,11 @@ class Kernels:
         verification), the float32 weights are kept a second time in oneDNN's own layout for them (not with "fused"
         or "library": it costs their memory again). Where the model computes in bfloat16 or float16 (half), its
         one-row products run kernels_cpu.cpp's half_linear (half_native), which reads those weights faster than the
-        other paths, except compiled on AMD CPUs with AVX-512, where the fused product is faster.
-        docs/performance.md has the figures behind each choice."""
+        other paths, except compiled on AMD CPUs with AVX-512, where the fused product is faster. Where the run's decode
+        steps compute NATIVE_ATTENTION_ROWS rows or more, those of that many rows take kernels_cpu.cpp's
+        decode_attention (AVX2 code) for their float32 attention, which reads the KV cache faster than the fused one
+        (runs_native_attention); "fused" and "library" keep the PyTorch attention. docs/performance.md has the
+        figures behind each choice."""
         if matvec not in MATVECS:
             raise ValueError(f"unknown --kernels {matvec!r}: use auto, fused, library or native")
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
@@ -319,6 +329,8 @@ class Kernels:
         if matvec in ("fused", "library"):
             return cls(matvec, matvec, **common)
         common["packed_float"] = onednn and device.type == "cpu" and rows >= PACKED_ROWS
+        native_attention = device.type == "cpu" and rows >= NATIVE_ATTENTION_ROWS and runs_avx2() and native_kernels()
+        common["attention_rows"] = NATIVE_ATTENTION_ROWS if native_attention else None
         fused = "fused" if compiled and device.type == "cpu" else "library"
         quant = fused if avx512 else "library"
         if matvec == "native":
@@ -348,6 +360,7 @@ class Kernels:
             "half_native": self.half_native,
             "prefetch_bytes": self.prefetch_bytes,
             "huge_pages": self.huge_pages,
+            "attention_rows": self.attention_rows,
             **{k: str(v).removeprefix("torch.") for k, v in dtypes.items()},
         }
 
@@ -669,6 +682,29 @@ class Int4Linear(nn.Module):
             y = y.to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+def runs_native_attention(q: Tensor, k: Tensor, v: Tensor, logit_softcap: float | None, kernels: Kernels) -> bool:
+    """Whether kernels_cpu.cpp's decode_attention computes the attention of q [B, H, S, D] over k and v
+    [B, H_kv, T, D]: where the kernels say so (attention_rows), for one query a row (S = 1) in at least
+    attention_rows rows, float32 keys and values read with D contiguous, D a multiple of 16 and no soft-capping
+    (which it does not compute)."""
+    return (
+        kernels.attention_rows is not None
+        and q.shape[2] == 1
+        and q.shape[0] >= kernels.attention_rows
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and k.stride(-1) == v.stride(-1) == 1
+        and q.shape[-1] % 16 == 0
+        and logit_softcap is None
+    )
+
+
+def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale) v by kernels_cpu.cpp (where runs_native_attention says so): q [B, H, 1, D], k and v
+    [B, H_kv, T, D], mask [B, 1, 1, T] (or broadcast to it) -> [B, H, 1, D]."""
+    mask = mask.expand(q.shape[0], 1, 1, k.shape[2])
+    return torch.ops.gpt_fast.decode_attention(q, k, v, mask, scale)
 
 
 def runs_native(layer: nn.Module, x: Tensor) -> bool:

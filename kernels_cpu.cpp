@@ -1,6 +1,7 @@
 // int8 and int4 linear layers on x86 CPUs by integer dot products, registered as the PyTorch operators
-// gpt_fast::int8_linear and gpt_fast::int4_linear; gpt_fast::int4_weights, which widens int4 weights to bfloat16; and
-// gpt_fast::half_linear, few-row products of bfloat16 / float16 weights (AVX2 code, see its section).
+// gpt_fast::int8_linear and gpt_fast::int4_linear; gpt_fast::int4_weights, which widens int4 weights to bfloat16;
+// gpt_fast::half_linear, few-row products of bfloat16 / float16 weights; and gpt_fast::decode_attention, the attention
+// of decode steps of several rows over the KV cache (these two AVX2 code, see their sections).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for M rows of activations x (decode steps, batches, speculative verification;
 // prompts where the CPU lacks bfloat16 matrix products). As llama.cpp does for Q8_0 and Q4_1, the activations are
@@ -37,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -50,9 +52,9 @@ constexpr int64_t SCALES_AT = 128;
 // The weights stream from memory once per call. Where the hardware prefetcher alone fetches them too late, each load
 // also asks for the bytes `ahead` of it (an operator's argument, kernels.Kernels.prefetch_bytes: on some CPUs the
 // requests slow the stream instead, and 0 makes none). Prefetching past the end is harmless: no fault, no use.
+// (The test of ahead stays in the loop's condition: written as an early return, GCC 12 deletes every request.)
 inline void prefetch_ahead(const void* step, int64_t bytes, int64_t ahead) {
-  if (ahead == 0) return;
-  for (int64_t line = 0; line < bytes; line += 64)
+  for (int64_t line = 0; ahead != 0 && line < bytes; line += 64)
     _mm_prefetch(static_cast<const char*>(step) + ahead + line, _MM_HINT_T0);
 }
 
@@ -574,6 +576,159 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight, int64_t pr
   return y;
 }
 
+// ---------------------------------------------------------------- decode attention
+
+// softmax(q k^T * scale) v for one query a row (a decode step of several sequences: kernels.runs_native_attention),
+// in float32 from keys and values as the KV cache holds them. q [B, H, 1, D], k and v [B, H_kv, T, D] with D
+// contiguous (views of the cache at any other strides), mask [B, 1, 1, T]; query head i reads KV head i / (H / H_kv).
+// A compiled step's fused multiply-and-sums read the keys once per query head and the values once per output lane
+// group, each stream too short for the hardware prefetcher; here a thread takes one (row, KV head) at a time and reads
+// its keys once for all the heads that share them, 8 positions a pass, asking for the lines ahead of use, then its
+// values once for up to 4 of those heads. The work items are the same whatever the other rows are, so a row's result
+// is bitwise the same alone or in a batch.
+
+constexpr int64_t KEYS_AHEAD = 16;   // positions whose keys are asked for ahead of their scores
+constexpr int64_t VALUES_AHEAD = 8;  // positions whose values are asked for ahead of their sums
+constexpr int HEADS_A_PASS = 4;      // query heads whose outputs one pass over the values computes
+
+// Lane i: the sum of a[i]'s 8 lanes.
+AVX2 inline __m256 sums8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);  // each half: lanes 0-3's sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+AVX2 inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// e^x for x <= 0 (a score less the maximum), 0 below -87 (where float32's e^x would be subnormal) and for -inf:
+// x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by its Taylor polynomial to degree 7,
+// 2^n from the exponent bits.
+AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 1.f / 2, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n)), kept);
+}
+
+// out[g, :] = sum_t w[g, t] v[t, :] / total[g] for HEADS query heads, 16 lanes of D a pass.
+template <int HEADS>
+AVX2 void weighted_values(const float* w, int64_t w_stride, const float* v, int64_t v_stride, int64_t T, int64_t D,
+                          const float* total, float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m256 acc[HEADS][2];
+    for (int g = 0; g < HEADS; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < T; t++) {
+      const float* row = v + t * v_stride + d0;
+      if (d0 == 0) prefetch_ahead(v + t * v_stride, D * sizeof(float), VALUES_AHEAD * v_stride * sizeof(float));
+      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+      for (int g = 0; g < HEADS; g++) {
+        const __m256 p = _mm256_broadcast_ss(w + g * w_stride + t);
+        acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < HEADS; g++) {
+      const __m256 inverse = _mm256_set1_ps(1.f / total[g]);
+      _mm256_storeu_ps(out + g * D + d0, _mm256_mul_ps(acc[g][0], inverse));
+      _mm256_storeu_ps(out + g * D + d0 + 8, _mm256_mul_ps(acc[g][1], inverse));
+    }
+  }
+}
+
+struct AttentionInputs {
+  const float *q, *k, *v;
+  const bool* mask;  // [B, T]
+  float* y;          // [B, H, D]
+  int64_t H, H_kv, T, D;
+  int64_t k_row, k_head, k_pos, v_row, v_head, v_pos;  // strides
+  float scale;
+};
+
+// Items begin..end-1, item = row * H_kv + KV head.
+AVX2 void attend_items(const AttentionInputs& a, int64_t begin, int64_t end) {
+  const int64_t G = a.H / a.H_kv, TP = (a.T + 7) / 8 * 8, D = a.D, T = a.T;
+  std::vector<float> scores(G * TP), total(G);  // per query head, padded to whole passes of 8 positions
+  for (int64_t item = begin; item < end; item++) {
+    const int64_t b = item / a.H_kv, h = item % a.H_kv;
+    const float* q = a.q + (b * a.H + h * G) * D;
+    const float* k = a.k + b * a.k_row + h * a.k_head;
+    const bool* mask = a.mask + b * T;
+    for (int64_t t0 = 0; t0 < TP; t0 += 8) {
+      const float* keys[8];
+      for (int i = 0; i < 8; i++) keys[i] = k + std::min(t0 + i, T - 1) * a.k_pos;
+      for (int i = 0; i < 8; i++) prefetch_ahead(keys[i], D * sizeof(float), KEYS_AHEAD * a.k_pos * sizeof(float));
+      for (int64_t g = 0; g < G; g++) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qd = _mm256_loadu_ps(q + g * D + d);
+          for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(keys[i] + d), acc[i]);
+        }
+        _mm256_storeu_ps(scores.data() + g * TP + t0, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(a.scale)));
+      }
+    }
+    for (int64_t g = 0; g < G; g++) {
+      float* s = scores.data() + g * TP;
+      for (int64_t t = 0; t < TP; t++)
+        if (t >= T || !mask[t]) s[t] = -INFINITY;
+      __m256 most = _mm256_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < TP; t += 8) most = _mm256_max_ps(most, _mm256_loadu_ps(s + t));
+      const __m256 shift = _mm256_set1_ps(max8(most));
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t t = 0; t < TP; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+        _mm256_storeu_ps(s + t, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      total[g] = sum8(sum);
+    }
+    const float* v = a.v + b * a.v_row + h * a.v_head;
+    for (int64_t g = 0; g < G; g += HEADS_A_PASS) {
+      const float* w = scores.data() + g * TP;
+      float* out = a.y + (b * a.H + h * G + g) * D;
+      switch (std::min<int64_t>(HEADS_A_PASS, G - g)) {
+        case 4: weighted_values<4>(w, TP, v, a.v_pos, T, D, total.data() + g, out); break;
+        case 3: weighted_values<3>(w, TP, v, a.v_pos, T, D, total.data() + g, out); break;
+        case 2: weighted_values<2>(w, TP, v, a.v_pos, T, D, total.data() + g, out); break;
+        default: weighted_values<1>(w, TP, v, a.v_pos, T, D, total.data() + g, out);
+      }
+    }
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.scalar_type() == at::kFloat && q.size(3) % 16 == 0,
+              "decode_attention: q must be float32 [B, H, 1, D] with D a multiple of 16");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->size(0) == B && t->size(3) == D &&
+                    t->stride(3) == 1 && t->sizes() == k.sizes(),
+                "decode_attention: k and v must be float32 [B, H_kv, T, D] alike, D contiguous");
+  const int64_t H_kv = k.size(1), T = k.size(2);
+  TORCH_CHECK(H_kv > 0 && H % H_kv == 0 && T > 0, "decode_attention: H must be a multiple of H_kv, and T > 0");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == B * T && mask.size(-1) == T,
+              "decode_attention: mask must be bool [B, 1, 1, T]");
+  const at::Tensor qc = q.contiguous(), mc = mask.reshape({B, T}).contiguous();
+  at::Tensor y = at::empty({B, H, 1, D}, q.options());
+  const AttentionInputs a{qc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), mc.data_ptr<bool>(),
+                          y.data_ptr<float>(), H, H_kv, T, D, k.stride(0), k.stride(1), k.stride(2),
+                          v.stride(0), v.stride(1), v.stride(2), static_cast<float>(scale)};
+  at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) { attend_items(a, begin, end); });
+  return y;
+}
+
 // x [M, K] float32 with M >= 1 and K a multiple of 64; packed [N / 4, K / 64, step_bytes]
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, at::ScalarType type, int64_t step, int64_t isa,
                   int64_t prefetch) {
@@ -608,6 +763,7 @@ TORCH_LIBRARY(gpt_fast, m) {
   m.def("int4_linear(Tensor x, Tensor packed, int isa, int prefetch) -> Tensor");
   m.def("int4_weights(Tensor packed) -> Tensor");
   m.def("half_linear(Tensor x, Tensor weight, int prefetch) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
@@ -615,4 +771,5 @@ TORCH_LIBRARY_IMPL(gpt_fast, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_weights", &int4_weights);
   m.impl("half_linear", &half_linear);
+  m.impl("decode_attention", &decode_attention);
 }

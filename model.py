@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from config import HIDDEN_ACTS, ModelArgs
-from kernels import Kernels, Linear, fuses, linear, pair_linear
+from kernels import Kernels, Linear, fuses, linear, native_attention, pair_linear, runs_native_attention
 
 ACTIVATIONS = dict(zip(HIDDEN_ACTS, (F.silu, functools.partial(F.gelu, approximate="tanh"))))
 
@@ -430,10 +430,14 @@ class Attention(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fused_rows: int) -> Tensor:
         # q [B, H, S, D], k and v [B, H_kv, T, D] (the slots the mask covers), mask [B, 1, S, T] -> [B, H, S, D].
-        # A decode step takes plain ops, which inductor fuses (SDPA's CPU kernel has a fixed cost per call that
-        # exceeds one query's work); so does soft-capping, which SDPA cannot do. A few queries a row, where the
-        # linear layers' products fuse (a verification of drafts), take batched products: SDPA's CPU kernel costs
-        # about twice as much for them, and fused multiply-and-sums more still.
+        # A CPU's decode step of several rows takes kernels_cpu.cpp's attention, which reads the cache once for the
+        # query heads that share it (kernels.runs_native_attention). Other decode steps take plain ops, which
+        # inductor fuses (SDPA's CPU kernel has a fixed cost per call that exceeds one query's work); so does
+        # soft-capping, which SDPA cannot do. A few queries a row, where the linear layers' products fuse (a
+        # verification of drafts), take batched products: SDPA's CPU kernel costs about twice as much for them, and
+        # fused multiply-and-sums more still.
+        if runs_native_attention(q, k, v, self.logit_softcap, self.kernels):
+            return native_attention(q, k, v, mask, self.scale)
         if fuses(q[0, 0], fused_rows) or self.logit_softcap is not None:
             fused = self.kernels.float_matvec == "fused" and q.shape[2] == 1 and fuses(q[0, 0], fused_rows)
             return grouped_attention(q, k, v, mask, self.scale, self.logit_softcap, fused)

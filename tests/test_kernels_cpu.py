@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kernels
+import model as model_module
 import quantize as qz
 from conftest import ROOT, SMOLLM2_DIR
 from generate import load_model
@@ -517,6 +518,117 @@ def test_half_precision_products_and_prefetches_chosen_per_cpu():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
     run = subprocess.run([sys.executable, "-c", choice], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.stdout.split()[-1:] == ["False"], run.stderr
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """softmax(q k^T * scale) v in float64, query head i reading KV head i // (H / H_kv)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def decode_inputs(rows: int, heads: int, kv_heads: int, head_dim: int, length: int, g: torch.Generator):
+    """A decode step's q [rows, H, 1, D] as the model makes it (a transpose: not contiguous), keys and values as
+    views of a longer cache of more rows (its strides), and a mask [rows, 1, 1, length] with holes where each query
+    sees its own position; the masked positions' values are 1e4, which any weight on them would show."""
+    q = torch.randn(rows, 1, heads, head_dim, generator=g).transpose(1, 2) * 3  # sharp softmaxes, not only flat ones
+    mask = torch.rand(rows, 1, 1, length, generator=g) < 0.7
+    mask[..., -1] = True
+    cache_k, cache_v = (torch.randn(rows + 2, kv_heads, length + 20, head_dim, generator=g) for _ in range(2))
+    cache_v[:rows, :, :length].masked_fill_(~mask.transpose(2, 3), 1e4)
+    return q, cache_k[:rows, :, :length], cache_v[:rows, :, :length], mask
+
+
+@pytest.mark.skipif(not kernels.runs_avx2(), reason="decode_attention is kernels_cpu.cpp's AVX2 code")
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (7, 1, 128), (10, 2, 64), (8, 8, 16), (21, 3, 64)])
+def test_decode_attention_within_float32_rounding_of_float64(ops, heads, kv_heads, head_dim):
+    """Query heads per KV head 3, 7, 5 (4 + 1 a pass over the values), 1 and 7 (4 + 3), over 1, 13 (not whole passes
+    of 8 positions) and 300 positions. The outputs are weighted means of values of about 1 in size: float32 rounding
+    of a few hundred terms stays far below 2e-5, and a weight misplaced by a position, a head or the mask far above."""
+    g = torch.Generator().manual_seed(7)
+    for length in (1, 13, 300):
+        q, k, v, mask = decode_inputs(5, heads, kv_heads, head_dim, length, g)
+        y = ops.decode_attention(q, k, v, mask, head_dim**-0.5)
+        assert y.shape == q.shape and y.is_contiguous()
+        error = (y.double() - attention_reference(q, k, v, mask, head_dim**-0.5)).abs().max().item()
+        assert error < 2e-5, (length, error)
+
+
+@pytest.mark.skipif(not kernels.runs_avx2(), reason="decode_attention is kernels_cpu.cpp's AVX2 code")
+def test_decode_attention_of_a_row_is_bitwise_the_same_in_any_batch_and_compiled(ops):
+    """A row's work is the same whatever the other rows are, and a compiled step (the operator's fake, keys and
+    values sliced from the cache inside the graph, at two lengths) calls the same kernel; shapes it cannot take are
+    refused with a message."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v, mask = decode_inputs(8, 9, 3, 64, 40, g)
+    alone = torch.cat(
+        [ops.decode_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], mask[i : i + 1], 0.125) for i in range(8)]
+    )
+    for rows in range(2, 9):
+        assert torch.equal(ops.decode_attention(q[:rows], k[:rows], v[:rows], mask[:rows], 0.125), alone[:rows])
+    cache_k, cache_v = k.as_strided(k.shape, k.stride()), v.as_strided(v.shape, v.stride())
+    step = torch.compile(
+        lambda q, mask: kernels.native_attention(
+            q, cache_k[:, :, : mask.shape[-1]], cache_v[:, :, : mask.shape[-1]], mask, 0.125
+        ),
+        fullgraph=True,
+    )
+    for length in (40, 33):
+        expected = ops.decode_attention(q, k[:, :, :length], v[:, :, :length], mask[..., :length], 0.125)
+        assert torch.equal(step(q, mask[..., :length]), expected), length
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.decode_attention(q[..., :40], k[..., :40], v[..., :40], mask, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of H_kv"):
+        ops.decode_attention(q[:, :8], k[:, :3], v[:, :3], mask, 0.125)
+
+
+def test_decode_attention_chosen_for_steps_of_several_rows(tiny_checkpoint, monkeypatch):
+    """Runs whose decode steps compute NATIVE_ATTENTION_ROWS rows or more (a batch, a server's slots) take the kernel
+    for those steps wherever kernels_cpu.cpp builds and its AVX2 code may run: not single-row runs, --kernels fused
+    or library, nor a process held below AVX2. A model's step of 4 rows calls it, its prefill and a step of 3 rows do
+    not (nor soft-capped, half-precision or odd-sized heads); the logits stay within float32 rounding of float64's."""
+    wherever = kernels.native_kernels() and kernels.runs_avx2()
+    rows = kernels.NATIVE_ATTENTION_ROWS
+    assert kernels.Kernels.choose(CPU, True, rows=16).attention_rows == (rows if wherever else None)
+    assert kernels.Kernels.choose(CPU, False, rows=rows).describe()["attention_rows"] == (rows if wherever else None)
+    assert kernels.Kernels.choose(CPU, True).attention_rows is None
+    assert all(kernels.Kernels.choose(CPU, True, m, rows=16).attention_rows is None for m in ("fused", "library"))
+    choice = "import torch, kernels; print(kernels.Kernels.choose(torch.device('cpu'), True, rows=16).attention_rows)"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    run = subprocess.run([sys.executable, "-c", choice], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.split()[-1:] == ["None"], run.stderr
+    chosen = kernels.Kernels(attention_rows=rows)
+    q, k = torch.randn(rows, 9, 1, 64), torch.randn(rows, 3, 10, 64)
+    assert kernels.runs_native_attention(q, k, k, None, chosen)
+    assert not kernels.runs_native_attention(q, k, k, None, kernels.Kernels())
+    assert not kernels.runs_native_attention(q[: rows - 1], k[: rows - 1], k[: rows - 1], None, chosen)
+    assert not kernels.runs_native_attention(torch.randn(rows, 9, 2, 64), k, k, None, chosen)
+    assert not kernels.runs_native_attention(q, k, k, 50.0, chosen)
+    assert not kernels.runs_native_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), None, chosen)
+    assert not kernels.runs_native_attention(q[..., :40], k[..., :40], k[..., :40], None, chosen)
+    if not wherever:
+        return
+    calls = []
+    monkeypatch.setattr(
+        model_module, "native_attention", lambda *a: calls.append(a[0].shape[0]) or kernels.native_attention(*a)
+    )
+    prompts = torch.randint(0, 100, (rows, 12), generator=torch.Generator().manual_seed(9))
+    logits = {}
+    for name, dtype, chosen_kernels in [
+        ("native", torch.float32, chosen),
+        ("float64", torch.float64, kernels.Kernels()),
+    ]:
+        model = load_model(tiny_checkpoint, dtype=dtype, kernels=chosen_kernels)
+        model.setup_caches(rows, 16)
+        with torch.no_grad():
+            model(prompts, torch.arange(12))
+            logits[name] = model(prompts[:, -1:], torch.tensor([12]))
+            model(prompts[: rows - 1, -1:], torch.tensor([13]))
+    layers = len(model.layers)
+    assert calls == [rows] * layers  # the float32 model's step of 4 rows only
+    error = ((logits["native"].double() - logits["float64"]).norm() / logits["float64"].norm()).item()
+    assert error < 1e-5, error
 
 
 PREFILL_FAULTS = """
